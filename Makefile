@@ -1,0 +1,27 @@
+# The two commands: `make demo` (the main job) and `make test` (the CPU/GPU test suite).
+PY ?= python3
+PYTEST_WORKERS ?= 2
+
+.PHONY: setup test demo lint bench gpu-check
+
+# Idempotent install: CPU torch 2.13.0 only when no torch is importable (a GPU machine keeps its own).
+setup:
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	@$(PY) -c "import liger_kernel, transformers, pytest, xdist, hypothesis, matplotlib" 2>/dev/null || \
+		$(PY) -m pip install -q -e ".[dev,transformers]"
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --timeout 900
+
+demo: setup
+	$(PY) scripts/demo.py $(ARGS)
+
+lint: setup
+	$(PY) -m ruff check src tests benchmarks examples scripts
+
+bench: setup
+	$(PY) -m benchmarks $(ARGS)
+
+# On a GPU machine: the full suite plus every benchmark, logs and CSVs into OUT_DIR.
+gpu-check:
+	bash scripts/gpu_check.sh $(OUT_DIR)

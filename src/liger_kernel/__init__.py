@@ -1,0 +1,3 @@
+"""liger_kernel: exact, fast, memory-lean Triton kernels for LLM training."""
+
+__version__ = "0.4.0"

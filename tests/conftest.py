@@ -1,0 +1,40 @@
+"""Pick how the kernels run: compiled on a GPU, or through Triton's CPU interpreter.
+
+``TRITON_INTERPRET`` must be set before triton is first imported, so this runs before any
+test module imports ``liger_kernel``. Without CUDA, every test runs the real kernels on CPU
+tensors through the interpreter with the small shape set; with CUDA, compiled on the GPU
+with the full shape set (``LIGER_TEST_SHAPES=small|full`` overrides either default).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from tests.utils import DEVICE, FULL_SHAPES  # noqa: E402
+
+
+def pytest_report_header(config):
+    mode = "compiled on CUDA" if DEVICE == "cuda" else "Triton interpreter on CPU"
+    return f"liger_kernel tests: {mode}, {'full' if FULL_SHAPES else 'small'} shape set"
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu_only" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    # A different seed per test run keeps inputs fresh; it is printed on failure.
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    yield seed
