@@ -161,3 +161,37 @@ TORCH_TO_TRITON_DTYPE = {
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
 }
+
+
+# --------------------------------------------------------------------------------------
+# Registration with PyTorch, so torch.compile sees each launcher as one opaque op.
+# --------------------------------------------------------------------------------------
+
+
+def liger_custom_op(name: str, mutates_args: Sequence[str] = ()):
+    """Register a kernel launcher as the custom op ``liger::<name>``.
+
+    The returned callable runs the launcher directly in eager mode (no dispatcher
+    overhead on the hot path) and goes through the registered op while
+    ``torch.compile`` traces, so Dynamo never tries to trace into Triton and needs no
+    graph break. Register the shape function with ``@<launcher>.register_fake``. The
+    launcher's annotations define the op schema: use ``torch.Tensor``, ``int``,
+    ``float``, ``bool``, ``str`` and ``Optional`` of those; return a tensor or a tuple
+    of fresh tensors (never an input or a view of one), and list every argument the
+    launcher writes in ``mutates_args``.
+    """
+
+    def decorator(fn):
+        op = torch.library.custom_op(f"liger::{name}", fn, mutates_args=tuple(mutates_args))
+
+        @functools.wraps(fn)
+        def dispatch(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return op(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        dispatch.op = op
+        dispatch.register_fake = op.register_fake
+        return dispatch
+
+    return decorator
