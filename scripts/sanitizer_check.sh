@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run the reduced GPU workload under compute-sanitizer memcheck and racecheck.
+# Usage: scripts/sanitizer_check.sh OUT_DIR   (on a CUDA machine)
+set -u
+out=${1:?usage: scripts/sanitizer_check.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=${PYTHONPATH:-}:src PYTORCH_NO_CUDA_MEMORY_CACHING=1
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -z "$sanitizer" ]; then echo "compute-sanitizer not found" | tee "$out/sanitizer.txt"; exit 1; fi
+status=0
+for tool in memcheck racecheck; do
+  "$sanitizer" --tool "$tool" --error-exitcode 3 --print-limit 50 python3 scripts/sanitizer_workload.py \
+    >"$out/sanitizer_$tool.log" 2>&1
+  rc=$?
+  summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer_$tool.log" | tail -1)
+  echo "$tool: exit $rc; ${summary:-no summary line}" | tee -a "$out/sanitizer.txt"
+  [ "$rc" -eq 0 ] || status=1
+done
+exit $status
