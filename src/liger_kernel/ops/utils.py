@@ -195,3 +195,299 @@ def liger_custom_op(name: str, mutates_args: Sequence[str] = ()):
         return dispatch
 
     return decorator
+
+
+# ======================================================================================
+# Row normalisation (RMSNorm, LayerNorm): shared kernels and launch tunables.
+#
+# Both norms normalise each row by per-row statistics and then scale (and shift):
+#     xhat = (x - mu) * rstd,   y = xhat * (w + offset) [+ b]
+# with mu = 0, rstd = 1/sqrt(mean(x^2) + eps) for RMSNorm and mu = mean(x),
+# rstd = 1/sqrt(var(x) + eps) for LayerNorm. One forward and one backward kernel serve
+# both, specialised by constexpr flags (CENTER, HAS_BIAS, CASTING); the full math and the
+# casting rules are in the docstrings of ops/rms_norm.py and ops/layer_norm.py.
+# ======================================================================================
+
+import dataclasses  # noqa: E402
+
+import triton.language as tl  # noqa: E402
+
+# How the normalised row meets the weight (the CASTING constexpr of the kernels below).
+ROW_NORM_CAST_NONE = 0  # every step rounded to the input dtype, as torch would compute in that dtype
+ROW_NORM_CAST_LLAMA = 1  # statistics in fp32, xhat rounded to the input dtype, then times the weight
+ROW_NORM_CAST_FP32 = 2  # everything in fp32, rounded once on output (Gemma RMSNorm, LayerNorm)
+
+# ---- Tunables (change these after GPU measurements; nothing else hard-codes them) ----
+# Elements per program tile when a whole row fits one tile: rows narrower than this are
+# packed ROW_NORM_TILE_ELEMENTS // width to a tile so small hidden sizes still move
+# enough bytes per program.
+ROW_NORM_TILE_ELEMENTS = 4096
+ROW_NORM_MAX_ROWS_PER_TILE = 256
+# Backward persistent grid: programs per SM = ROW_NORM_WARPS_PER_SM // num_warps, clamped
+# to [1, ROW_NORM_MAX_PROGRAMS_PER_SM]. Each program owns one fp32 row of the (P, H)
+# partial dW buffer, so fewer programs also means a smaller final reduction.
+ROW_NORM_WARPS_PER_SM = 32
+ROW_NORM_MAX_PROGRAMS_PER_SM = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNormLaunch:
+    """Launch geometry shared by the forward and backward row-normalisation kernels."""
+
+    block_rows: int  # rows per tile (power of two)
+    block_cols: int  # columns per tile (power of two); a row wider than this is looped over
+    num_warps: int
+    fused: bool  # the whole row fits one tile (single pass over registers)
+    n_tiles: int  # forward grid: one program per tile
+    backward_programs: int  # backward grid: persistent programs striding over the tiles
+    round_by_hand: bool  # interpreter only: see _row_norm_round
+
+
+def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLaunch:
+    """Tile shape, warps and grid sizes for normalising ``n_rows`` rows of ``n_cols``."""
+    block_cols, _ = row_launch_settings(n_cols)
+    fused = block_cols >= n_cols
+    if fused:
+        block_rows = min(
+            max(1, ROW_NORM_TILE_ELEMENTS // block_cols),
+            ROW_NORM_MAX_ROWS_PER_TILE,
+            triton.next_power_of_2(max(n_rows, 1)),
+        )
+    else:
+        block_rows = 1
+    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    n_tiles = cdiv(n_rows, block_rows)
+    programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // num_warps))
+    programs = num_programs_for_rows(n_tiles, device, programs_per_sm)
+    return RowNormLaunch(block_rows, block_cols, num_warps, fused, n_tiles, programs, is_interpreter())
+
+
+@triton.jit
+def _row_norm_round(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (nearest even) and returned as fp32.
+
+    Triton's interpreter converts fp32 -> bf16 by truncation, unlike the GPU; with BY_HAND
+    (set only under the interpreter) the bf16 rounding is done on the bit pattern so CPU
+    runs round exactly as the GPU does. Values rounded this way store exactly.
+    """
+    if BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offset,
+                          HAS_BIAS: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """y = xhat * (w + offset) [+ b] for one tile, rounded as CASTING says, stored to Y_ptrs."""
+    in_dtype = X.dtype.element_ty
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if CASTING == 0:
+        # Emulates computing in the input dtype: each product rounded to it.
+        rstd_in = _row_norm_round(rstd, in_dtype, ROUND_BY_HAND)
+        xhat = _row_norm_round(xc * rstd_in[:, None], in_dtype, ROUND_BY_HAND)
+        w = _row_norm_round(w, in_dtype, ROUND_BY_HAND)
+    elif CASTING == 1:
+        xhat = _row_norm_round(xc * rstd[:, None], in_dtype, ROUND_BY_HAND)
+    else:
+        xhat = xc * rstd[:, None]
+    y = xhat * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_dtype = Y_ptrs.dtype.element_ty
+    tl.store(Y_ptrs, _row_norm_round(y, out_dtype, ROUND_BY_HAND).to(out_dtype), mask=mask)
+
+
+@triton.jit
+def row_norm_forward_kernel(
+    X, W, B, Y, MEAN, RSTD,
+    n_rows, n_cols, x_row_stride, y_row_stride,
+    eps, offset,
+    CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
+    FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+):
+    """One program per tile of BLOCK_ROWS rows: statistics, then y; stores rstd (and mean)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    x_rows = X + rows64[:, None] * x_row_stride
+    y_rows = Y + rows64[:, None] * y_row_stride
+    mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    if FUSED:
+        cols = tl.arange(0, BLOCK_COLS)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CENTER:
+            mean = tl.sum(xc, axis=1) / n_cols
+            xc = tl.where(mask, xc - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
+                              HAS_BIAS, CASTING, ROUND_BY_HAND)
+    else:
+        # Pass 1: statistics over column blocks. LayerNorm merges per-block (mean, M2)
+        # pairs (Chan et al.), which avoids the cancellation of E[x^2] - E[x]^2.
+        m2 = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if CENTER:
+                seen = start * 1.0
+                block_n = tl.minimum(n_cols - start, BLOCK_COLS) * 1.0
+                block_mean = tl.sum(x, axis=1) / block_n
+                d = tl.where(mask, x - block_mean[:, None], 0.0)
+                delta = block_mean - mean
+                total = seen + block_n
+                mean += delta * (block_n / total)
+                m2 += tl.sum(d * d, axis=1) + delta * delta * (seen * block_n / total)
+            else:
+                sum_sq += x * x
+        if CENTER:
+            var = m2 / n_cols
+        else:
+            var = tl.sum(sum_sq, axis=1) / n_cols
+        rstd = tl.rsqrt(var + eps)
+        # Pass 2: normalise and store (the row is re-read, mostly from L2).
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if CENTER:
+                xc = tl.where(mask, xc - mean[:, None], 0.0)
+            _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
+                                  HAS_BIAS, CASTING, ROUND_BY_HAND)
+    tl.store(RSTD + rows64, rstd, mask=row_mask)
+    if CENTER:
+        tl.store(MEAN + rows64, mean, mask=row_mask)
+
+
+@triton.jit
+def _row_norm_grad_terms(DY_ptrs, X_ptrs, X, W, cols, col_mask, mask, mean, rstd, offset,
+                         CENTER: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """Load one tile; return (dy, xhat, g, xhat as the forward multiplied it by w), fp32."""
+    in_dtype = X.dtype.element_ty
+    dy = tl.load(DY_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xc = tl.load(X_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if CENTER:
+        xc = tl.where(mask, xc - mean[:, None], 0.0)
+    xhat = xc * rstd[:, None]
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if CASTING == 0:
+        w = _row_norm_round(w, in_dtype, ROUND_BY_HAND)
+    g = dy * w[None, :]
+    if CASTING == 0:
+        g = _row_norm_round(g, in_dtype, ROUND_BY_HAND)
+        xhat_w = _row_norm_round(xc * _row_norm_round(rstd, in_dtype, ROUND_BY_HAND)[:, None], in_dtype,
+                                 ROUND_BY_HAND)
+    elif CASTING == 1:
+        # Autograd through HF's `.to(input_dtype)` rounds dL/dxhat to the input dtype.
+        g = _row_norm_round(g, in_dtype, ROUND_BY_HAND)
+        xhat_w = _row_norm_round(xhat, in_dtype, ROUND_BY_HAND)
+    else:
+        xhat_w = xhat
+    return dy, xhat, g, xhat_w
+
+
+@triton.jit
+def row_norm_backward_kernel(
+    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
+    CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
+    FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+):
+    """Persistent programs: program p handles tiles p, p + P, ... and writes its fp32 partial
+    dW (and dB) to row p of DW_PARTIAL (DB_PARTIAL), so the final sum over P is fixed-order.
+
+    DX may alias DY (in-place backward): every element of DY is read before the same
+    program overwrites it, and no other program touches those rows.
+    """
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
+    partial_row = pid.to(tl.int64) * n_cols
+    if FUSED:
+        cols = tl.arange(0, BLOCK_COLS)
+        col_mask = cols < n_cols
+        dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        for tile in tl.range(pid, n_tiles, n_programs):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+            mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            if CENTER:
+                mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+            dy, xhat, g, xhat_w = _row_norm_grad_terms(
+                DY + rows64[:, None] * dy_row_stride + cols[None, :],
+                X + rows64[:, None] * x_row_stride + cols[None, :],
+                X, W, cols, col_mask, mask, mean, rstd, offset, CENTER, CASTING, ROUND_BY_HAND)
+            proj = tl.sum(g * xhat, axis=1) / n_cols
+            dx = g - xhat * proj[:, None]
+            if CENTER:
+                dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
+            dx = dx * rstd[:, None]
+            tl.store(DX + rows64[:, None] * dx_row_stride + cols[None, :],
+                     _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND).to(DX.dtype.element_ty), mask=mask)
+            dw_acc += tl.sum(dy * xhat_w, axis=0)
+            if HAS_BIAS:
+                db_acc += tl.sum(dy, axis=0)
+        tl.store(DW_PARTIAL + partial_row + cols, dw_acc, mask=col_mask)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + partial_row + cols, db_acc, mask=col_mask)
+    else:
+        for tile in tl.range(pid, n_tiles, n_programs):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            dy_rows = DY + rows64[:, None] * dy_row_stride
+            x_rows = X + rows64[:, None] * x_row_stride
+            dx_rows = DX + rows64[:, None] * dx_row_stride
+            rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+            mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            if CENTER:
+                mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+            # Pass 1: the row sums the gradient needs, sum(g * xhat) and sum(g).
+            proj_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            g_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_COLS):
+                cols = start + tl.arange(0, BLOCK_COLS)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, xhat, g, xhat_w = _row_norm_grad_terms(
+                    dy_rows + cols[None, :], x_rows + cols[None, :],
+                    X, W, cols, col_mask, mask, mean, rstd, offset, CENTER, CASTING, ROUND_BY_HAND)
+                proj_acc += g * xhat
+                if CENTER:
+                    g_acc += g
+            proj = tl.sum(proj_acc, axis=1) / n_cols
+            g_mean = tl.sum(g_acc, axis=1) / n_cols
+            # Pass 2: dx, and this program's partial dW/dB (its own buffer row, so the
+            # read-modify-write needs no atomics; the first tile overwrites garbage).
+            first = tile == pid
+            for start in range(0, n_cols, BLOCK_COLS):
+                cols = start + tl.arange(0, BLOCK_COLS)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, xhat, g, xhat_w = _row_norm_grad_terms(
+                    dy_rows + cols[None, :], x_rows + cols[None, :],
+                    X, W, cols, col_mask, mask, mean, rstd, offset, CENTER, CASTING, ROUND_BY_HAND)
+                dx = g - xhat * proj[:, None]
+                if CENTER:
+                    dx -= g_mean[:, None]
+                dx = dx * rstd[:, None]
+                tl.store(dx_rows + cols[None, :],
+                         _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND).to(DX.dtype.element_ty), mask=mask)
+                dw_ptrs = DW_PARTIAL + partial_row + cols
+                dw_prev = tl.where(first, 0.0, tl.load(dw_ptrs, mask=col_mask, other=0.0))
+                tl.store(dw_ptrs, dw_prev + tl.sum(dy * xhat_w, axis=0), mask=col_mask)
+                if HAS_BIAS:
+                    db_ptrs = DB_PARTIAL + partial_row + cols
+                    db_prev = tl.where(first, 0.0, tl.load(db_ptrs, mask=col_mask, other=0.0))
+                    tl.store(db_ptrs, db_prev + tl.sum(dy, axis=0), mask=col_mask)

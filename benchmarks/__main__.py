@@ -1,0 +1,142 @@
+"""``python -m benchmarks``: every kernel against HF eager and torch.compile, in one run.
+
+Measures the hardware ceilings first (copy bandwidth, matmul rate), then for each op the
+target shape from the issues and (without ``--quick``) a sweep of sizes: forward,
+backward and full, median ms, peak extra memory, floor and efficiency. Writes
+``bench.csv`` (row by row, so an interrupted run keeps what it measured) and ``bench.png``
+(time and memory against size, one column per op) into ``--out``, prints a table and,
+last, each target with its measured value and PASS/FAIL.
+
+Without CUDA (or with ``--cpu-tiny``) it runs tiny shapes on CPU through Triton's
+interpreter, so CI exercises the whole pipeline; those numbers mean nothing for a GPU.
+
+Exit status: 0 when every case ran (targets missed or not), 1 when a case raised
+(a kernel error, a missing module); out-of-memory cases are recorded as ``oom``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import sys
+from pathlib import Path
+
+OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
+MODES = ("forward", "backward", "full")
+PROVIDERS = ("liger", "hf_eager", "torch_compile")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _csv_choice(allowed: tuple[str, ...], what: str):
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        if items == ("all",):
+            return allowed
+        unknown = [x for x in items if x not in allowed]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(unknown) or '(none given)'}; choose from {', '.join(allowed)} or all")
+        return tuple(x for x in allowed if x in items)  # canonical order
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="only the target shape of each op")
+    p.add_argument("--ops", type=_csv_choice(OPS, "op"), default=OPS, help=f"comma list of {', '.join(OPS)}")
+    p.add_argument("--modes", type=_csv_choice(MODES, "mode"), default=MODES, help="comma list of forward,backward,full")
+    p.add_argument("--providers", type=_csv_choice(PROVIDERS, "provider"), default=PROVIDERS,
+                   help="comma list of liger,hf_eager,torch_compile")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for bench.csv and bench.png (default benchmarks/results/<date>_<device>/)")
+    p.add_argument("--cpu-tiny", action="store_true",
+                   help="tiny shapes on CPU through the Triton interpreter (automatic without CUDA)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up per case, ms (default 25)")
+    p.add_argument("--rep", type=float, default=100.0, help="do_bench timing window per case, ms (default 100)")
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop starting new cases after this many seconds (recorded as skipped); 0 = no limit")
+    p.add_argument("--compile-sweep", action="store_true",
+                   help="torch.compile every sweep shape too (default: target shapes only; compiling is slow)")
+    p.add_argument("--no-plots", action="store_true", help="skip bench.png")
+    p.add_argument("--list", action="store_true", help="print the ops and their shapes, then exit")
+    return p.parse_args(argv)
+
+
+def choose_device(cpu_tiny: bool) -> str:
+    """``"cuda"`` or ``"cpu"``; for CPU, switch Triton to its interpreter before it is imported."""
+    import torch  # importing torch does not import triton
+
+    if not cpu_tiny and torch.cuda.is_available():
+        return "cuda"
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set; "
+                           "run `python -m benchmarks --cpu-tiny` in a fresh process")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def load_specs(ops: tuple[str, ...]):
+    from benchmarks import bench_cross_entropy, bench_gated_mlp, bench_norms, bench_rope
+
+    specs = {s.name: s for m in (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy) for s in m.SPECS}
+    return [specs[name] for name in ops]
+
+
+def default_out_dir(device_label: str) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", device_label.lower()).strip("-")
+    return RESULTS_DIR / f"{datetime.date.today().isoformat()}_{slug}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device_type = choose_device(args.cpu_tiny)
+    tiny = device_type == "cpu"
+
+    import torch  # noqa: E402  (after the interpreter switch)
+
+    from benchmarks import harness
+
+    specs = load_specs(args.ops)
+    if args.list:
+        for spec in specs:
+            shapes = spec.tiny_shapes if tiny else spec.gpu_shapes
+            print(f"{spec.name}: " + "; ".join(harness.shape_text(s) for s in (shapes[:1] if args.quick else shapes)))
+        return 0
+
+    device = torch.device(device_type)
+    label = "cpu-interpreter" if tiny else torch.cuda.get_device_name(device)
+    out = args.out or default_out_dir(label)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+
+    timing = harness.TimingConfig(warmup_ms=args.warmup, rep_ms=args.rep)
+    cfg = harness.RunConfig(
+        device=device, dtype=getattr(torch, DTYPES[args.dtype]), modes=args.modes, providers=args.providers,
+        quick=args.quick, tiny=tiny, compile_sweep=args.compile_sweep, max_seconds=args.max_seconds, timing=timing,
+    )
+    print(f"measuring hardware ceilings on {label} ...", file=sys.stderr, flush=True)
+    hw = harness.measure_hardware(device, timing)
+    print(hw.describe(), flush=True)
+    csv_path = out / "bench.csv"
+    runner = harness.Runner(cfg, hw, csv_path=csv_path)
+    rows = runner.run(specs)
+
+    print(harness.format_table(rows))
+    print(f"\nCSV: {csv_path}")
+    if not args.no_plots:
+        png = harness.plot_results(rows, specs, out / "bench.png")
+        if png is not None:
+            print(f"plot: {png}")
+    print(hw.describe())
+    print(harness.format_targets(rows, specs, tiny), flush=True)
+    return 1 if runner.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

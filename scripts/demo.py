@@ -1,0 +1,437 @@
+"""The main job (``make demo``): train a small Llama twice with the HF Trainer, plain and with Liger.
+
+Both runs start from the same weights (one model is built, the second is a deep copy made
+before any training), see the same batches in the same order (same Trainer seed), and differ
+only in ``TrainingArguments(use_liger_kernel=True)``, with which ``Trainer.train()`` patches the
+model through ``liger_kernel.transformers._apply_liger_kernel_to_instance``.
+
+Data: real text available offline - the Python standard library's own ``*.py`` sources
+(sorted paths, read until a size cap), as byte-level tokens: ids 0-255 are bytes, 256 marks
+a file boundary; ``--data-path`` takes any other text file or directory instead. Nothing
+is downloaded: the model is built from a ``LlamaConfig``.
+
+Printed and written to ``--out`` (default ``demo_out/``): both loss curves and their largest
+difference (they must agree), tokens/s and peak memory of each run, a held-out evaluation
+loss for each (``prediction_loss_only``: the Liger model skips the logits), ``demo.png``,
+``demo_losses.csv`` and ``demo_summary.csv``.
+
+On a machine without CUDA the kernels run through the Triton interpreter with a tiny
+model (a few minutes on two cores); with CUDA a larger model trains in bf16.
+"""
+
+import argparse
+import copy
+import csv
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Must precede the first import of triton (liger_kernel imports it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BYTE_VOCAB = 256
+FILE_SEPARATOR_ID = 256  # between two source files
+VOCAB_SIZE = 257  # deliberately not a multiple of 8: the kernels' masked tails get exercised
+
+MODEL_SIZES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=176),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=688),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048),
+}
+
+# Defaults per device: on CPU every kernel runs in the Triton interpreter (Python loops over
+# program ids), so the model and batches are tiny.
+DEVICE_DEFAULTS = {
+    "cpu": dict(model_size="tiny", steps=20, seq_len=64, batch_size=4, learning_rate=3e-3, eval_batches=2),
+    "cuda": dict(model_size="base", steps=200, seq_len=1024, batch_size=16, learning_rate=1e-3, eval_batches=8),
+}
+
+# The largest difference allowed between the two loss curves, relative to the loss. fp32
+# (CPU): the variants differ by float32 rounding order only, ~1e-6 per step, which training
+# amplifies a little over tens of steps; 1e-4 leaves room for that while any real
+# difference in the math (a wrong gradient term) is orders of magnitude larger. bf16 (GPU):
+# one bf16 unit roundoff (2**-8) relative to the loss, since both runs round activations and
+# weight updates to bf16 in different orders and the weights drift apart by such roundings.
+LOSS_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2.0**-8}
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------
+def stdlib_source_files() -> list[str]:
+    """Every ``*.py`` of the standard library in sorted path order, third-party packages excluded."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files.extend(os.path.join(directory, n) for n in sorted(names) if n.endswith(".py"))
+    return files
+
+
+def text_files(path: str | None) -> list[str]:
+    if path is None:
+        return stdlib_source_files()
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        found = []
+        for directory, subdirs, names in os.walk(path):
+            subdirs.sort()
+            found.extend(os.path.join(directory, n) for n in sorted(names))
+        return found
+    raise ValueError(f"--data-path {path!r} is neither a file nor a directory")
+
+
+def byte_tokens(files: list[str], max_bytes: int) -> torch.Tensor:
+    """Concatenated bytes of ``files`` (read in order until ``max_bytes``), separator between files."""
+    chunks, total = [], 0
+    for name in files:
+        try:
+            with open(name, "rb") as handle:
+                data = handle.read(max_bytes - total)
+        except OSError:
+            continue
+        if not data:
+            continue
+        chunks.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).long())
+        chunks.append(torch.tensor([FILE_SEPARATOR_ID]))
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise ValueError("no text found to train on")
+    return torch.cat(chunks)
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Non-overlapping blocks of ``seq_len`` tokens; the labels are the inputs (the model shifts)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        n_blocks = tokens.numel() // seq_len
+        self.blocks = tokens[: n_blocks * seq_len].view(n_blocks, seq_len)
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, index: int) -> dict:
+        block = self.blocks[index]
+        return {"input_ids": block, "labels": block}
+
+
+# ----------------------------------------------------------------------------------------
+# Measurement
+# ----------------------------------------------------------------------------------------
+class PeakRSS:
+    """Peak resident set size of this process while the context is open (sampled every 20 ms).
+
+    CPU only: the process-wide ``ru_maxrss`` never goes down, so it cannot tell the second
+    run's peak from the first's; sampling ``/proc/self/statm`` can.
+    """
+
+    def __init__(self, interval_s: float = 0.02):
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def current_bytes() -> int:
+        try:
+            with open("/proc/self/statm") as handle:
+                return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            import resource  # no /proc (macOS): fall back to the lifetime peak
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self.peak_bytes = self.current_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes())
+
+
+@dataclass
+class RunResult:
+    name: str
+    losses: dict[int, float]  # global step -> training loss logged at that step
+    tokens_per_s: float
+    peak_gib: float
+    eval_loss: float
+    seconds: float
+    patched_modules: int
+
+
+def make_callbacks(device: torch.device):
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ProgressCallback
+
+    class StepRecorder(TrainerCallback):
+        """Each step's logged loss and the wall time at the end of each step."""
+
+        def __init__(self):
+            self.losses: dict[int, float] = {}
+            self.step_end_times: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.step_end_times.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses[state.global_step] = float(logs["loss"])
+
+    class LossInProgressBar(ProgressCallback):
+        """Trainer's tqdm bar, with the loss in the bar instead of a printed dict per step."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
+                self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
+
+    return StepRecorder(), LossInProgressBar
+
+
+def count_liger_patched_modules(model: torch.nn.Module) -> int:
+    """Modules whose ``forward`` was replaced on the instance or whose class is a Liger one."""
+    return sum(1 for m in model.modules() if "forward" in vars(m) or type(m).__name__.startswith("Liger"))
+
+
+def train_once(name: str, model, train_set, eval_set, args, device: torch.device, use_liger: bool) -> RunResult:
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
+
+    recorder, progress_class = make_callbacks(device)
+    with tempfile.TemporaryDirectory(prefix="liger_demo_") as output_dir:
+        training_args = TrainingArguments(
+            output_dir=output_dir,
+            max_steps=args.steps,
+            per_device_train_batch_size=args.batch_size,
+            per_device_eval_batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, args.steps // 10),
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            logging_steps=1,
+            save_strategy="no",
+            eval_strategy="no",
+            report_to="none",
+            use_cpu=device.type != "cuda",
+            seed=args.seed,
+            data_seed=args.seed,
+            dataloader_drop_last=True,
+            dataloader_num_workers=0,
+            prediction_loss_only=True,
+            use_liger_kernel=use_liger,
+            disable_tqdm=False,
+        )
+        trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                          callbacks=[recorder])
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(progress_class())
+
+        print(f"\n[{name}] training {args.steps} steps" + (" with use_liger_kernel=True" if use_liger else ""),
+              flush=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        with PeakRSS() as rss:
+            trainer.train()
+            eval_loss = trainer.evaluate()["eval_loss"]
+        seconds = time.perf_counter() - start
+        peak_gib = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak_bytes) / 2**30
+
+    times = recorder.step_end_times
+    tokens_per_step = args.batch_size * args.seq_len
+    # The first step carries one-off costs (kernel compilation, allocator warm-up): time the rest.
+    if len(times) >= 2:
+        tokens_per_s = tokens_per_step * (len(times) - 1) / (times[-1] - times[0])
+    else:
+        tokens_per_s = tokens_per_step * len(times) / seconds
+    return RunResult(name, recorder.losses, tokens_per_s, peak_gib, float(eval_loss), seconds,
+                     count_liger_patched_modules(model))
+
+
+# ----------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------
+def write_outputs(out_dir: str, runs: list[RunResult], memory_label: str, title: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    plain, liger = runs
+    steps = sorted(plain.losses)
+    losses_path = os.path.join(out_dir, "demo_losses.csv")
+    with open(losses_path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["step", "loss_plain", "loss_liger", "abs_diff"])
+        for s in steps:
+            a, b = plain.losses[s], liger.losses.get(s, math.nan)
+            writer.writerow([s, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.3e}"])
+    summary_path = os.path.join(out_dir, "demo_summary.csv")
+    with open(summary_path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run", "tokens_per_s", "peak_gib", "memory_kind", "final_loss", "eval_loss", "seconds"])
+        for r in runs:
+            writer.writerow([r.name, f"{r.tokens_per_s:.1f}", f"{r.peak_gib:.4f}", memory_label,
+                             f"{r.losses[max(r.losses)]:.6f}", f"{r.eval_loss:.6f}", f"{r.seconds:.1f}"])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [2, 1, 1]})
+    ax_loss.plot(steps, [plain.losses[s] for s in steps], label="HF Trainer", color="tab:gray", lw=2)
+    ax_loss.plot(steps, [liger.losses.get(s, math.nan) for s in steps], label="HF Trainer + use_liger_kernel",
+                 color="tab:blue", ls="--")
+    ax_loss.set(xlabel="step", ylabel="training loss (bytes, nats/token)", title="Loss curves")
+    ax_loss.legend()
+    names = ["plain", "liger"]
+    colors = ["tab:gray", "tab:blue"]
+    for ax, values, label, fmt in ((ax_tps, [r.tokens_per_s for r in runs], "tokens / s", "{:,.0f}"),
+                                   (ax_mem, [r.peak_gib for r in runs], f"GiB ({memory_label})", "{:.3f}")):
+        ax.bar(names, values, color=colors)
+        ax.set(ylabel=label)
+        for i, v in enumerate(values):
+            ax.text(i, v, fmt.format(v), ha="center", va="bottom")
+    ax_tps.set_title("Throughput")
+    ax_mem.set_title("Peak memory")
+    fig.suptitle(title)
+    fig.tight_layout()
+    png_path = os.path.join(out_dir, "demo.png")
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return [losses_path, summary_path, png_path]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=None,
+                        help="tiny on CPU, base on GPU by default")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (CPU 20, GPU 200)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (CPU 64, GPU 1024)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 4, GPU 16)")
+    parser.add_argument("--learning-rate", type=float, default=None)
+    parser.add_argument("--data-path", default=None,
+                        help="text file or directory to train on (default: the standard library's *.py files)")
+    parser.add_argument("--max-data-mb", type=float, default=8.0, help="read at most this much text")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="demo_out", help="directory for demo.png and the CSVs")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, value in DEVICE_DEFAULTS[device].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.steps < 1 or args.seq_len < 2 or args.batch_size < 1:
+        parser.error("--steps >= 1, --seq-len >= 2 and --batch-size >= 1 are required")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # GPU: bf16 weights, as the kernels are meant to be used. CPU: fp32 (the interpreter
+    # computes through numpy, which has no bf16).
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+
+    files = text_files(args.data_path)
+    tokens = byte_tokens(files, int(args.max_data_mb * 2**20))
+    n_eval = args.eval_batches * args.batch_size * args.seq_len
+    if tokens.numel() < n_eval + args.batch_size * args.seq_len:
+        raise ValueError(f"not enough text: {tokens.numel()} tokens for batch {args.batch_size} x seq {args.seq_len}")
+    train_set = TokenBlocks(tokens[:-n_eval], args.seq_len)
+    eval_set = TokenBlocks(tokens[-n_eval:], args.seq_len)
+    source = args.data_path or f"{sysconfig.get_paths()['stdlib']}/**/*.py"
+    print(f"data: {len(files)} files from {source}, {tokens.numel():,} byte tokens "
+          f"-> {len(train_set)} training and {len(eval_set)} held-out blocks of {args.seq_len}")
+
+    config = LlamaConfig(
+        **MODEL_SIZES[args.model_size],
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=max(2048, args.seq_len),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        use_cache=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(args.seed)
+    # Build under ``dtype`` as the default dtype (as ``from_config(dtype=...)`` does) rather
+    # than casting afterwards, which would also round the fp32 rotary frequencies.
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            plain_model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    liger_model = copy.deepcopy(plain_model)  # identical initial weights, before any training
+    n_params = sum(p.numel() for p in plain_model.parameters())
+    print(f"model: Llama-style '{args.model_size}' ({n_params / 1e6:.2f} M parameters, {dtype}) on {device}"
+          + (" - kernels run through the Triton interpreter" if device.type != "cuda" else ""))
+
+    runs = [
+        train_once("plain", plain_model, train_set, eval_set, args, device, use_liger=False),
+        train_once("liger", liger_model, train_set, eval_set, args, device, use_liger=True),
+    ]
+    plain, liger = runs
+
+    memory_label = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                    else "peak process RSS during the run, sampled (CPU; includes Python/interpreter overhead)")
+    common = sorted(set(plain.losses) & set(liger.losses))
+    diffs = [abs(plain.losses[s] - liger.losses[s]) for s in common]
+    max_diff = max(diffs) if diffs else math.inf
+    allowed = LOSS_RTOL[dtype] * max(abs(plain.losses[s]) for s in common) if common else 0.0
+    agree = bool(common) and len(common) == len(plain.losses) == len(liger.losses) and max_diff <= allowed
+    eval_diff = abs(plain.eval_loss - liger.eval_loss)
+
+    print("\n=== results ===")
+    print(f"{'run':6s} {'tokens/s':>12s} {'peak GiB':>10s} {'first loss':>11s} {'final loss':>11s} {'eval loss':>10s}")
+    for r in runs:
+        print(f"{r.name:6s} {r.tokens_per_s:12,.0f} {r.peak_gib:10.3f} {r.losses[min(r.losses)]:11.4f} "
+              f"{r.losses[max(r.losses)]:11.4f} {r.eval_loss:10.4f}")
+    print(f"peak memory is {memory_label}")
+    print(f"liger: forward replaced on {liger.patched_modules} modules by use_liger_kernel=True "
+          f"(plain: {plain.patched_modules})")
+    print(f"loss curves: max |plain - liger| = {max_diff:.3e} over {len(common)} steps "
+          f"(allowed {allowed:.3e}): {'AGREE' if agree else 'DISAGREE'}; eval loss diff {eval_diff:.3e}")
+    print(f"liger / plain: tokens/s x{liger.tokens_per_s / plain.tokens_per_s:.2f}, "
+          f"peak memory x{liger.peak_gib / plain.peak_gib:.2f}"
+          + ("  (CPU interpreter timings say nothing about GPU speed)" if device.type != "cuda" else ""))
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
+    title = (f"Llama '{args.model_size}' on stdlib bytes, batch {args.batch_size} x {args.seq_len}, "
+             f"{device_name}: max loss diff {max_diff:.1e}")
+    for path in write_outputs(args.out, runs, memory_label, title):
+        print(f"wrote {path}")
+    return 0 if agree and plain.patched_modules == 0 < liger.patched_modules else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,580 @@
+"""Cross entropy over a large vocabulary, with the gradient computed in the forward pass.
+
+Notation, for one row (token) ``i`` of logits ``x`` of width ``V`` with target ``y``:
+
+* optional Gemma-2 soft-capping: ``s = c * tanh(x / c)`` (``s = x`` without a cap);
+* ``lse = log(sum_c exp(s_c))`` and ``p_c = exp(s_c - lse)`` (softmax);
+* class weights ``w`` (all ones without), ``W = sum_c w_c``; label smoothing ``eps``.
+
+Per-row loss, exactly torch's ``F.cross_entropy`` (``nll_loss`` plus its label-smoothing
+term, class weights applied to both)::
+
+    ce_i = (1 - eps) * w_y * (lse - s_y) + (eps / V) * sum_c w_c * (lse - s_c)
+         = (1 - eps) * w_y * (lse - s_y) + (eps / V) * (lse * W - sum_c w_c s_c)
+    z_i  = lse_square_scale * lse**2                               (z-loss, PaLM)
+
+Rows whose target is ``ignore_index`` contribute zero loss and zero gradient.
+Reductions: ``"sum"`` adds the counted rows, ``"none"`` returns ``ce_i + z_i`` per row, and
+``"mean"`` divides the cross entropy by ``D_ce = sum_{i counted} w_{y_i}`` (the number of
+counted rows without class weights; torch's weighted mean) and the z-loss by the number
+of counted rows ``D_z`` (the z-loss is a per-token regulariser, not class weighted)::
+
+    loss = sum_i ce_i / D_ce + sum_i z_i / D_z
+
+Gradient of row ``i``'s contribution with respect to ``s`` (``d_c = 1`` where ``c = y``)::
+
+    dL/ds_c = p_c * [((1 - eps) w_y + (eps / V) W) / D_ce + 2 * lse_square_scale * lse / D_z]
+              - (1 - eps) * w_y * d_c / D_ce - (eps / V) * w_c / D_ce
+
+(``D_ce = D_z = 1`` for ``"sum"`` and ``"none"``), and through the cap
+``dL/dx_c = dL/ds_c * (1 - tanh(x_c / c)**2)``.
+
+The kernel makes two passes over each row: pass 1 keeps a running max and rescaled sum
+of exponentials (online log-sum-exp), the smoothing sum and the first arg-max; pass 2
+writes the gradient, by default over the logits themselves. The loss's backward only
+multiplies that stored gradient by the upstream gradient (a scalar, or one value per row
+for ``"none"``), in place. So the extra memory is O(N), never a second (N, V) buffer.
+
+Differences from ``F.cross_entropy`` (all documented in :class:`LigerCrossEntropyFunction`):
+the loss is float32 for every logits dtype; a ``"mean"`` over a batch whose targets are
+all ignored is 0 with zero gradients (torch gives NaN); class weights get no gradient.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_kernel.ops.utils import (
+    MAX_FUSED_BLOCK,
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+    liger_custom_op,
+    num_programs_for_rows,
+    row_launch_settings,
+)
+
+# Column block of the row loop. A power of two; smaller values only matter for tests,
+# which lower it to exercise the multi-block path on small vocabularies.
+CE_MAX_BLOCK = MAX_FUSED_BLOCK
+
+# Programs per SM of the persistent row loop. Few resident rows per SM keep a row's
+# second read (pass 2) in L2: a 128K-vocab bf16 row is 256 KB and H200's L2 is 50 MB.
+CE_PROGRAMS_PER_SM = 2
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What the cross-entropy losses return when ``return_z_loss`` or ``return_token_accuracy`` is set.
+
+    ``loss`` is differentiable and already includes the z-loss. ``z_loss`` (the z-loss part
+    of ``loss``, reduced like it) and ``token_accuracy`` are detached diagnostics, ``None``
+    unless requested. ``token_accuracy`` is the fraction of counted (non-ignored) tokens
+    whose arg-max logit (first index on ties, like ``torch.argmax``) equals the target, for
+    ``"mean"`` and ``"sum"``; for ``"none"`` it is 1.0/0.0 per row (0 for ignored rows).
+    """
+
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+
+
+@triton.jit
+def _tanh_and_sech2(x):
+    """``(tanh(x), 1 - tanh(x)**2)`` to float32 accuracy, with plain ``tl`` ops only.
+
+    From ``e = exp(-2|x|)`` (never overflows; -inf gives e = 0): ``tanh = (1 - e) / (1 + e)``
+    and ``sech**2 = 4e / (1 + e)**2``, the latter free of the cancellation in ``1 - t*t``
+    where the cap saturates. Below |x| = 1/4, where ``1 - e`` would cancel, the Taylor
+    series to x**9 (truncation < 1e-8 relative) gives tanh instead.
+    """
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    one_plus_e = 1.0 + e
+    a2 = a * a
+    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    t = tl.where(a < 0.25, series, (1.0 - e) / one_plus_e)
+    t = tl.where(x < 0.0, -t, t)
+    return t, 4.0 * e / (one_plus_e * one_plus_e)
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    target_ptr,
+    target_stride,
+    class_weight_ptr,
+    row_scale_ptr,
+    loss_ptr,
+    z_loss_ptr,
+    correct_ptr,
+    ce_denominator_ptr,
+    z_denominator_ptr,
+    n_rows,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_LABEL_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    MEAN_REDUCTION: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    COMPUTE_ACCURACY: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Persistent loop over rows; per row, per-row loss/z-loss/correctness and (optionally) dL/dx."""
+    offsets = tl.arange(0, BLOCK_SIZE)
+    if MEAN_REDUCTION:
+        ce_scale = 1.0 / tl.load(ce_denominator_ptr).to(tl.float32)
+        z_scale = 1.0 / tl.load(z_denominator_ptr).to(tl.float32)
+    else:
+        ce_scale = 1.0
+        z_scale = 1.0
+    smoothing_per_class = label_smoothing / n_cols
+
+    # int64 row index: row * stride passes 2**31 for large N * V.
+    for row in tl.range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        logits_row = logits_ptr + row * logits_row_stride
+        grad_row = grad_ptr + row * grad_row_stride
+        target = tl.load(target_ptr + row * target_stride)
+        if target == ignore_index:
+            if COMPUTE_GRAD:
+                for start in range(0, n_cols, BLOCK_SIZE):
+                    cols = start + offsets
+                    zeros = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+                    tl.store(grad_row + cols, zeros.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
+            tl.store(loss_ptr + row, 0.0)
+            tl.store(z_loss_ptr + row, 0.0)
+            tl.store(correct_ptr + row, 0.0)
+        else:
+            # A target outside [0, V) is never used as an address: loads go through a clamped
+            # index and the one-hot comparison simply never matches. Its loss is NaN so the
+            # bad label is visible even where the host-side check is skipped (torch.compile).
+            target_valid = (target >= 0) & (target < n_cols)
+            safe_target = tl.where(target_valid, target, 0)
+
+            # Pass 1: online log-sum-exp, smoothing sums, first arg-max of the raw logits.
+            running_max = float("-inf")
+            sum_exp = 0.0
+            smooth_sum = 0.0
+            weight_total = 0.0
+            best_raw = float("-inf")
+            best_index = 0
+            for start in range(0, n_cols, BLOCK_SIZE):
+                cols = start + offsets
+                mask = cols < n_cols
+                x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                if COMPUTE_ACCURACY:
+                    block_max_raw = tl.max(x, axis=0)
+                    block_index = tl.min(tl.where(x == block_max_raw, cols, n_cols), axis=0)
+                    best_index = tl.where(block_max_raw > best_raw, block_index, best_index)
+                    best_raw = tl.maximum(best_raw, block_max_raw)
+                if HAS_SOFTCAP:
+                    capped, _ = _tanh_and_sech2(x / softcap)
+                    x = tl.where(mask, softcap * capped, float("-inf"))
+                new_max = tl.maximum(running_max, tl.max(x, axis=0))
+                # While every value so far is -inf, shift by 0 instead (exp(-inf - -inf) is NaN).
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                sum_exp = sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+                running_max = new_max
+                if HAS_LABEL_SMOOTHING:
+                    if HAS_CLASS_WEIGHT:
+                        w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        smooth_sum += tl.sum(w * tl.where(mask, x, 0.0), axis=0)
+                        weight_total += tl.sum(w, axis=0)
+                    else:
+                        smooth_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+            lse = running_max + tl.log(sum_exp)
+
+            target_logit = tl.load(logits_row + safe_target, mask=target_valid, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                capped_target, _ = _tanh_and_sech2(target_logit / softcap)
+                target_logit = softcap * capped_target
+            if HAS_CLASS_WEIGHT:
+                target_weight = tl.load(class_weight_ptr + safe_target, mask=target_valid, other=0.0)
+                target_weight = target_weight.to(tl.float32)
+            else:
+                target_weight = 1.0
+            if HAS_LABEL_SMOOTHING:
+                if not HAS_CLASS_WEIGHT:
+                    weight_total = n_cols * 1.0
+                ce_loss = (1.0 - label_smoothing) * target_weight * (lse - target_logit)
+                ce_loss += smoothing_per_class * (lse * weight_total - smooth_sum)
+            else:
+                ce_loss = target_weight * (lse - target_logit)
+            ce_loss = ce_loss * ce_scale
+            if HAS_Z_LOSS:
+                z_loss = lse_square_scale * lse * lse * z_scale
+            else:
+                z_loss = 0.0
+            loss = tl.where(target_valid, ce_loss + z_loss, float("nan"))
+            tl.store(loss_ptr + row, loss)
+            tl.store(z_loss_ptr + row, z_loss)
+            if COMPUTE_ACCURACY:
+                tl.store(correct_ptr + row, tl.where(best_index == target, 1.0, 0.0))
+            else:
+                tl.store(correct_ptr + row, 0.0)
+
+            # Pass 2: the gradient (the row was just read, so this read mostly hits L2).
+            if COMPUTE_GRAD:
+                if HAS_ROW_SCALE:
+                    row_scale = tl.load(row_scale_ptr + row).to(tl.float32)
+                else:
+                    row_scale = 1.0
+                if HAS_LABEL_SMOOTHING:
+                    onehot_coef = (1.0 - label_smoothing) * target_weight * ce_scale * row_scale
+                    prob_coef = onehot_coef + smoothing_per_class * weight_total * ce_scale * row_scale
+                    uniform_coef = smoothing_per_class * ce_scale * row_scale
+                else:
+                    onehot_coef = target_weight * ce_scale * row_scale
+                    prob_coef = onehot_coef
+                    uniform_coef = 0.0
+                if HAS_Z_LOSS:
+                    prob_coef += 2.0 * lse_square_scale * lse * z_scale * row_scale
+                for start in range(0, n_cols, BLOCK_SIZE):
+                    cols = start + offsets
+                    mask = cols < n_cols
+                    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                    if HAS_SOFTCAP:
+                        capped, cap_slope = _tanh_and_sech2(x / softcap)
+                        x = softcap * capped
+                    grad = prob_coef * tl.exp(x - lse)
+                    if HAS_LABEL_SMOOTHING:
+                        if HAS_CLASS_WEIGHT:
+                            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                            grad -= uniform_coef * w
+                        else:
+                            grad -= uniform_coef
+                    grad = tl.where(cols == target, grad - onehot_coef, grad)
+                    if HAS_SOFTCAP:
+                        grad = grad * cap_slope
+                    tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_cross_entropy_kernel(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: Optional[torch.Tensor],
+    row_scale: Optional[torch.Tensor],
+    loss_rows: torch.Tensor,
+    z_rows: torch.Tensor,
+    correct_rows: torch.Tensor,
+    ce_denominator: torch.Tensor,
+    z_denominator: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    mean_reduction: bool,
+    compute_grad: bool,
+    compute_accuracy: bool,
+) -> None:
+    """Run the row kernel on ``logits`` (N, V) (unit column stride). Internal: no checks.
+
+    Writes float32 per-row ``loss_rows``, ``z_rows``, ``correct_rows`` (N,) and, if
+    ``compute_grad``, dL/dlogits into ``grad`` (which may be ``logits`` itself), each row
+    multiplied by ``row_scale[i]`` when given. ``ce_denominator``/``z_denominator`` are
+    one-element device tensors read only for the mean. ``softcap <= 0`` means no cap.
+    Also used chunk by chunk by the fused linear cross entropy.
+    """
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    block, num_warps = row_launch_settings(n_cols, CE_MAX_BLOCK)
+    grid = (num_programs_for_rows(n_rows, logits.device, CE_PROGRAMS_PER_SM),)
+    _cross_entropy_kernel[grid](
+        logits,
+        logits.stride(0),
+        grad if compute_grad else logits,
+        grad.stride(0) if compute_grad else 0,
+        target,
+        target.stride(0),
+        class_weight if class_weight is not None else loss_rows,
+        row_scale if row_scale is not None else loss_rows,
+        loss_rows,
+        z_rows,
+        correct_rows,
+        ce_denominator,
+        z_denominator,
+        n_rows,
+        n_cols,
+        ignore_index,
+        float(label_smoothing),
+        float(lse_square_scale),
+        float(softcap),
+        HAS_CLASS_WEIGHT=class_weight is not None,
+        HAS_LABEL_SMOOTHING=label_smoothing > 0,
+        HAS_Z_LOSS=lse_square_scale != 0,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_ROW_SCALE=row_scale is not None,
+        MEAN_REDUCTION=mean_reduction,
+        COMPUTE_GRAD=compute_grad,
+        COMPUTE_ACCURACY=compute_accuracy,
+        BLOCK_SIZE=block,
+        num_warps=num_warps,
+    )
+
+
+def mean_denominators(
+    target: torch.Tensor, class_weight: Optional[torch.Tensor], ignore_index: int, n_cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device scalars ``(D_ce, D_z, n_counted)`` for the mean, computed without a host sync.
+
+    ``D_ce`` is the sum of the class weights of the counted targets (their count without
+    weights), ``D_z`` the count. Both are set to 1 when nothing is counted, so an all-ignored
+    batch gives loss 0 rather than 0/0.
+    """
+    counted = target != ignore_index
+    n_counted = counted.sum(dtype=torch.float32)
+    nothing_counted = n_counted == 0
+    z_denominator = torch.where(nothing_counted, 1.0, n_counted)
+    if class_weight is None:
+        ce_denominator = z_denominator
+    else:
+        # Clamping keeps the gather in bounds for bad targets; those rows are masked out
+        # here, and the host check (or the kernel's NaN) reports them.
+        safe_target = target.clamp(0, n_cols - 1).long()
+        target_weights = class_weight.float().gather(0, safe_target) * counted
+        ce_denominator = torch.where(nothing_counted, 1.0, target_weights.sum())
+    return ce_denominator.reshape(1), z_denominator.reshape(1), n_counted
+
+
+def _writes_in_place(logits: torch.Tensor, in_place: bool) -> bool:
+    # The gradient may only overwrite logits whose rows are disjoint and unit-stride;
+    # otherwise (an expanded or transposed view) it goes to a fresh buffer.
+    n_rows, n_cols = logits.shape
+    return in_place and logits.stride(1) == 1 and (n_rows <= 1 or logits.stride(0) >= n_cols)
+
+
+def _reduce(
+    rows: torch.Tensor, reduction: str, n_counted: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if n_counted is not None:
+        total = total / n_counted.clamp_min(1.0)
+    return total
+
+
+@liger_custom_op("cross_entropy_forward", mutates_args=("logits",))
+def cross_entropy_forward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    compute_grad: bool,
+    compute_accuracy: bool,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher: loss, z-loss, token accuracy (reduced per ``reduction``) and dL/dlogits.
+
+    ``logits`` (N, V) with unit column stride, ``target`` (N,) integer. When
+    ``compute_grad`` and ``in_place`` (and the rows of ``logits`` are disjoint), the
+    gradient overwrites ``logits`` and the returned gradient is an empty placeholder;
+    otherwise it is a fresh (N, V) tensor of the logits dtype (empty without
+    ``compute_grad``). ``softcap <= 0`` disables the cap. Arguments are trusted (checked
+    by the autograd Function).
+    """
+    n_rows, n_cols = logits.shape
+    device = logits.device
+    loss_rows = torch.empty(n_rows, device=device, dtype=torch.float32)
+    z_rows = torch.empty_like(loss_rows)
+    correct_rows = torch.empty_like(loss_rows)
+    ce_denominator, z_denominator, n_counted = mean_denominators(target, class_weight, ignore_index, n_cols)
+    write_in_place = compute_grad and _writes_in_place(logits, in_place)
+    if compute_grad and not write_in_place:
+        grad = torch.empty((n_rows, n_cols), device=device, dtype=logits.dtype)
+    else:
+        grad = logits.new_empty((0,))
+    launch_cross_entropy_kernel(
+        logits,
+        logits if write_in_place else grad,
+        target,
+        class_weight,
+        None,
+        loss_rows,
+        z_rows,
+        correct_rows,
+        ce_denominator,
+        z_denominator,
+        ignore_index,
+        label_smoothing,
+        lse_square_scale,
+        softcap,
+        reduction == "mean",
+        compute_grad,
+        compute_accuracy,
+    )
+    if write_in_place:
+        # Triton writes behind autograd's back; bumping the version makes any other op that
+        # saved these logits for its backward fail loudly instead of using the gradient.
+        torch.autograd.graph.increment_version(logits)
+    return (
+        _reduce(loss_rows, reduction),
+        _reduce(z_rows, reduction),
+        _reduce(correct_rows, reduction, n_counted),
+        grad,
+    )
+
+
+@cross_entropy_forward.register_fake
+def _cross_entropy_forward_fake(
+    logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+    compute_grad, compute_accuracy, in_place,
+):
+    n_rows, n_cols = logits.shape
+    reduced_shape = (n_rows,) if reduction == "none" else ()
+    reduced = [logits.new_empty(reduced_shape, dtype=torch.float32) for _ in range(3)]
+    if compute_grad and not _writes_in_place(logits, in_place):
+        grad = logits.new_empty((n_rows, n_cols))
+    else:
+        grad = logits.new_empty((0,))
+    return (*reduced, grad)
+
+
+def check_target(target: torch.Tensor, n_rows: int, n_cols: int, ignore_index: int, name: str = "target") -> None:
+    """Shape/dtype checks for class-index targets, plus the value range (one host sync).
+
+    The value check is skipped while ``torch.compile`` traces, where it would break the
+    graph; the kernel never addresses memory with a bad target anyway and gives it a NaN loss.
+    """
+    check_tensor(target, name)
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold class indices as int64 (or int32), got dtype {target.dtype}")
+    if target.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (N,), got shape {tuple(target.shape)}")
+    if target.shape[0] != n_rows:
+        raise ValueError(f"{name} has {target.shape[0]} entries but the input has {n_rows} rows")
+    if torch.compiler.is_compiling() or n_rows == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
+    if bool(bad.any()):
+        first = int(target[bad][0])
+        raise ValueError(
+            f"{name} contains class index {first} outside [0, {n_cols}) that is not ignore_index={ignore_index}"
+        )
+
+
+def check_loss_options(
+    reduction: str, label_smoothing: float, lse_square_scale: float, softcap: Optional[float]
+) -> float:
+    """Validate the scalar options shared by both losses; returns softcap as a float (0 = none)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not float(lse_square_scale) == float(lse_square_scale) or abs(float(lse_square_scale)) == float("inf"):
+        raise ValueError(f"lse_square_scale must be finite, got {lse_square_scale}")
+    if softcap is None:
+        return 0.0
+    if not float(softcap) > 0.0 or float(softcap) == float("inf"):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    return float(softcap)
+
+
+def check_class_weight(class_weight: Optional[torch.Tensor], n_cols: int, name: str = "weight") -> None:
+    if class_weight is None:
+        return
+    check_float_dtype(class_weight, name)
+    if class_weight.dim() != 1 or class_weight.shape[0] != n_cols:
+        raise ValueError(
+            f"{name} (class weights) must have shape ({n_cols},), one per class, got {tuple(class_weight.shape)}"
+        )
+
+
+class LigerCrossEntropyFunction(torch.autograd.Function):
+    """Cross entropy of ``logits`` (N, V) against class indices ``target`` (N,).
+
+    ``forward(ctx, logits, target, weight=None, ignore_index=-100, lse_square_scale=0.0,
+    label_smoothing=0.0, reduction="mean", softcap=None, return_token_accuracy=False,
+    in_place=True)`` returns ``(loss, z_loss, token_accuracy)``, float32, each a scalar
+    (``"mean"``/``"sum"``) or (N,) (``"none"``); only ``loss`` is differentiable. See
+    :class:`CrossEntropyOutput` for their meaning and the module docstring for the math.
+
+    The gradient is computed during the forward pass. With ``in_place=True`` it is
+    written over ``logits``: **the logits' values are destroyed and must not be reused**
+    (if another op saved them for its backward, that backward raises). ``in_place=False``
+    keeps them at the cost of one (N, V) gradient buffer. Without a gradient to compute
+    (no grad mode, or logits not requiring grad) the logits are left untouched.
+
+    Differs from ``F.cross_entropy``: the loss is float32 for bf16/fp16 logits too; a
+    ``"mean"`` whose targets are all ``ignore_index`` is 0 (torch: NaN); class weights
+    receive no gradient. Backward may run only once per forward (it scales the stored
+    gradient in place; a second call fails autograd's saved-tensor version check).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: Optional[float] = None,
+        return_token_accuracy: bool = False,
+        in_place: bool = True,
+    ):
+        check_float_dtype(logits, "input")
+        if logits.dim() != 2:
+            raise ValueError(f"input (logits) must be 2-D (N, V), got shape {tuple(logits.shape)}")
+        n_rows, n_cols = logits.shape
+        if n_cols < 1:
+            raise ValueError("input (logits) must have at least one class")
+        check_same_device([("input", logits), ("target", target), ("weight", weight)])
+        check_class_weight(weight, n_cols)
+        softcap_value = check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
+        check_target(target, n_rows, n_cols, ignore_index)
+        if logits.stride(1) != 1 and n_cols > 1:
+            logits = logits.contiguous()
+
+        compute_grad = bool(ctx.needs_input_grad[0])
+        loss, z_loss, accuracy, grad = cross_entropy_forward(
+            logits,
+            target,
+            weight,
+            int(ignore_index),
+            float(label_smoothing),
+            float(lse_square_scale),
+            softcap_value,
+            reduction,
+            compute_grad,
+            bool(return_token_accuracy),
+            bool(in_place),
+        )
+        if compute_grad and grad.shape != logits.shape:
+            grad = logits  # the kernel wrote the gradient over the logits
+        ctx.reduction = reduction
+        ctx.compute_grad = compute_grad
+        ctx.save_for_backward(grad if compute_grad else None)
+        ctx.mark_non_differentiable(z_loss, accuracy)
+        return loss, z_loss, accuracy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
+        (grad,) = ctx.saved_tensors
+        if not ctx.compute_grad:
+            return (None,) * 10
+        if ctx.reduction == "none":
+            grad.mul_(grad_loss.unsqueeze(1))
+        else:
+            grad.mul_(grad_loss)
+        return (grad,) + (None,) * 9

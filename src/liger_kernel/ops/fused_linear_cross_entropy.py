@@ -1,0 +1,402 @@
+"""Cross entropy of a linear layer's output without materialising the (N, V) logits.
+
+For hidden states ``X`` (N, D), an output projection ``W`` (V, D) with optional bias
+``b`` (V,), and class-index targets ``y`` (N,), the loss is the cross entropy of the
+logits ``Z = X W^T + b``, with every option of :mod:`liger_kernel.ops.cross_entropy`
+(class weights, ``ignore_index``, label smoothing, z-loss, soft-capping, reductions), and
+the same per-row loss and logit gradient ``G = dL/dZ`` defined there. By the chain rule::
+
+    dL/dX = G W          (N, D)
+    dL/dW = G^T X        (V, D)
+    dL/db = sum_i G_i    (V,)
+
+Rows are processed in chunks of ``C`` rows so that only one (C, V) logits buffer exists:
+per chunk, ``Z_c = X_c W^T (+ b)`` (cuBLAS, written into the reused buffer), the
+cross-entropy kernel overwrites ``Z_c`` with ``G_c`` in place, then ``dX_c = G_c W`` is
+written into its rows of dX and ``dW += G_c^T X_c`` is accumulated in place (``addmm_``,
+``beta = 1``) into a preallocated dW, so no temporary of dW's size appears. ``C`` comes from
+:data:`FLCE_CHUNK_BUDGET_BYTES`. The mean's denominators are computed once for the whole
+batch on the device, so the chunk loop never syncs with the host.
+
+For ``"mean"``/``"sum"`` these gradients are computed in the forward pass and backward
+only multiplies them by the (scalar) upstream gradient. For ``"none"`` the upstream
+gradient ``g`` (N,) is only known in backward and dW depends on it non-separably
+(``dW = sum_i g_i G_i^T X_i``), so the forward computes only the losses and backward
+recomputes each chunk's logits with ``G_i`` scaled by ``g_i`` inside the kernel.
+
+Memory beyond the gradients themselves: the (C, V) chunk buffer plus O(N + V).
+"""
+
+import functools
+from typing import Optional
+
+import torch
+
+from liger_kernel.ops.cross_entropy import (
+    check_class_weight,
+    check_loss_options,
+    check_target,
+    launch_cross_entropy_kernel,
+    mean_denominators,
+)
+from liger_kernel.ops.utils import (
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+    liger_custom_op,
+)
+
+# Bytes of the (C, V) chunk logits buffer (module-level tunable). 96 MiB keeps a
+# N=8192, D=4096, V=128256 bf16 step within 1.10x of its dW + dX memory floor (1066 MiB)
+# while giving the dW update a reduction depth C of a few hundred rows.
+FLCE_CHUNK_BUDGET_BYTES = 96 * 2**20
+
+# Chunks of at least this many rows are rounded down to a multiple of it (tensor-core
+# friendly GEMM shapes); smaller ones to a power of two.
+FLCE_CHUNK_ROW_MULTIPLE = 128
+
+
+def chunk_rows_for(n_rows: int, n_cols: int, element_size: int) -> int:
+    """Rows per chunk: as many as fit :data:`FLCE_CHUNK_BUDGET_BYTES`, rounded, at least 1."""
+    rows = max(1, FLCE_CHUNK_BUDGET_BYTES // max(1, n_cols * element_size))
+    if rows >= FLCE_CHUNK_ROW_MULTIPLE:
+        rows -= rows % FLCE_CHUNK_ROW_MULTIPLE
+    else:
+        rows = 1 << (rows.bit_length() - 1)
+    return max(1, min(rows, n_rows))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``addmm(out_dtype=float32, out=acc)`` accumulates low-precision products in place here.
+
+    That cuBLAS path (torch >= 2.8 on CUDA) lets an fp32 dW accumulate bf16/fp16 chunk
+    products with no dW-sized temporary. Probed once per device and dtype, numerically.
+    """
+    try:
+        a = torch.randn(64, 32, device=device).to(dtype)
+        b = torch.randn(32, 48, device=device).to(dtype)
+        acc = torch.randn(64, 48, device=device)
+        expected = acc + a.float() @ b.float()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc, expected, atol=1e-3, rtol=1e-3))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _accumulate_grad_weight(grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor) -> None:
+    """``grad_weight += grad_chunk^T @ x_chunk`` in place, without a dW-sized temporary."""
+    if grad_weight.dtype == grad_chunk.dtype:
+        grad_weight.addmm_(grad_chunk.t(), x_chunk)
+        return
+    # float32 accumulator for low-precision operands.
+    if _fp32_out_addmm_works(grad_weight.device, grad_chunk.dtype):
+        torch.addmm(grad_weight, grad_chunk.t(), x_chunk, out_dtype=torch.float32, out=grad_weight)
+        return
+    # Fallback: vocabulary slices, so the low-precision temporary stays chunk-sized.
+    n_rows, n_cols = grad_chunk.shape
+    slice_cols = max(1, (n_rows * n_cols) // max(1, x_chunk.shape[1]))
+    for start in range(0, n_cols, slice_cols):
+        stop = min(start + slice_cols, n_cols)
+        grad_weight[start:stop].add_(grad_chunk[:, start:stop].t() @ x_chunk)
+
+
+def _chunked_loss_and_grads(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    class_weight: Optional[torch.Tensor],
+    row_scale: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    mean_reduction: bool,
+    compute_accuracy: bool,
+    grad_input_needed: bool,
+    grad_weight_needed: bool,
+    grad_bias_needed: bool,
+    accum_fp32: bool,
+):
+    """The chunk loop. Returns per-row (loss, z_loss, correct), the mean's count, and the grads.
+
+    Gradients not asked for are returned as empty tensors. With ``row_scale`` (N,) each
+    row's logit gradient is multiplied by it (the ``"none"`` backward).
+    """
+    n_rows, hidden = x.shape
+    n_cols = weight.shape[0]
+    device = x.device
+    loss_rows = torch.empty(n_rows, device=device, dtype=torch.float32)
+    z_rows = torch.empty_like(loss_rows)
+    correct_rows = torch.empty_like(loss_rows)
+    ce_denominator, z_denominator, n_counted = mean_denominators(target, class_weight, ignore_index, n_cols)
+
+    # Placeholders for gradients not needed are distinct tensors: custom-op outputs must not alias.
+    grad_input = torch.empty_like(x) if grad_input_needed else x.new_empty((0,))
+    weight_accum_dtype = torch.float32 if accum_fp32 else weight.dtype
+    grad_weight = (
+        torch.zeros(weight.shape, device=device, dtype=weight_accum_dtype) if grad_weight_needed else x.new_empty((0,))
+    )
+    grad_bias = torch.zeros(n_cols, device=device, dtype=torch.float32) if grad_bias_needed else x.new_empty((0,))
+    compute_grad = grad_input_needed or grad_weight_needed or grad_bias_needed
+
+    if n_rows > 0:
+        chunk_rows = chunk_rows_for(n_rows, n_cols, x.element_size())
+        chunk_buffer = torch.empty((chunk_rows, n_cols), device=device, dtype=x.dtype)
+        weight_t = weight.t()
+        for start in range(0, n_rows, chunk_rows):
+            stop = min(start + chunk_rows, n_rows)
+            x_chunk = x[start:stop]
+            logits = chunk_buffer[: stop - start]
+            if bias is None:
+                torch.matmul(x_chunk, weight_t, out=logits)
+            else:
+                torch.addmm(bias, x_chunk, weight_t, out=logits)
+            launch_cross_entropy_kernel(
+                logits,
+                logits,
+                target[start:stop],
+                class_weight,
+                None if row_scale is None else row_scale[start:stop],
+                loss_rows[start:stop],
+                z_rows[start:stop],
+                correct_rows[start:stop],
+                ce_denominator,
+                z_denominator,
+                ignore_index,
+                label_smoothing,
+                lse_square_scale,
+                softcap,
+                mean_reduction,
+                compute_grad,
+                compute_accuracy,
+            )
+            if grad_input_needed:
+                torch.matmul(logits, weight, out=grad_input[start:stop])
+            if grad_weight_needed:
+                _accumulate_grad_weight(grad_weight, logits, x_chunk)
+            if grad_bias_needed:
+                grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
+        del chunk_buffer
+    if grad_weight_needed and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias_needed:
+        grad_bias = grad_bias.to(bias.dtype)
+    return loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias
+
+
+def _reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction):
+    if reduction == "none":
+        return loss_rows, z_rows, correct_rows
+    return loss_rows.sum(), z_rows.sum(), correct_rows.sum() / n_counted.clamp_min(1.0)
+
+
+@liger_custom_op("fused_linear_cross_entropy_forward")
+def fused_linear_cross_entropy_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    class_weight: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    compute_accuracy: bool,
+    grad_input_needed: bool,
+    grad_weight_needed: bool,
+    grad_bias_needed: bool,
+    accum_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher: (loss, z_loss, token_accuracy, dX, dW, dB) for unit upstream gradient.
+
+    ``x`` (N, D) contiguous, ``weight`` (V, D), ``bias`` (V,) or None, ``target`` (N,).
+    Losses are float32, reduced per ``reduction``; gradients not needed are empty tensors
+    (callers pass all grad flags False for ``"none"``, whose gradients come from
+    :func:`fused_linear_cross_entropy_backward`). Arguments are trusted.
+    """
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias = _chunked_loss_and_grads(
+            x, weight, target, bias, class_weight, None, ignore_index, label_smoothing, lse_square_scale, softcap,
+            reduction == "mean", compute_accuracy, grad_input_needed, grad_weight_needed, grad_bias_needed,
+            accum_fp32,
+        )
+    return (*_reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction), grad_input, grad_weight, grad_bias)
+
+
+def _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed):
+    return (
+        torch.empty_like(x) if grad_input_needed else x.new_empty((0,)),
+        weight.new_empty(weight.shape) if grad_weight_needed else x.new_empty((0,)),
+        bias.new_empty(bias.shape) if grad_bias_needed else x.new_empty((0,)),
+    )
+
+
+@fused_linear_cross_entropy_forward.register_fake
+def _fused_linear_cross_entropy_forward_fake(
+    x, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+    compute_accuracy, grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+):
+    shape = (x.shape[0],) if reduction == "none" else ()
+    losses = [x.new_empty(shape, dtype=torch.float32) for _ in range(3)]
+    return (*losses, *_fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed))
+
+
+@liger_custom_op("fused_linear_cross_entropy_backward")
+def fused_linear_cross_entropy_backward(
+    grad_rows: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    class_weight: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    grad_input_needed: bool,
+    grad_weight_needed: bool,
+    grad_bias_needed: bool,
+    accum_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher for the ``"none"`` backward: (dX, dW, dB) for per-row upstream gradient ``grad_rows`` (N,).
+
+    Recomputes each chunk's logits; the kernel scales row ``i`` of the logit gradient by
+    ``grad_rows[i]`` before the two matmuls.
+    """
+    grad_rows = grad_rows.to(torch.float32).contiguous()
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        *_, grad_input, grad_weight, grad_bias = _chunked_loss_and_grads(
+            x, weight, target, bias, class_weight, grad_rows, ignore_index, label_smoothing, lse_square_scale,
+            softcap, False, False, grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+        )
+    return grad_input, grad_weight, grad_bias
+
+
+@fused_linear_cross_entropy_backward.register_fake
+def _fused_linear_cross_entropy_backward_fake(
+    grad_rows, x, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+    grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+):
+    return _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed)
+
+
+def _check_linear_args(x, weight, bias, accum_dtype) -> None:
+    check_float_dtype(x, "input")
+    check_float_dtype(weight, "weight")
+    if x.dim() != 2:
+        raise ValueError(f"input must be 2-D (N, D) hidden states, got shape {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (V, D), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}; its last dimension must equal input's hidden size {x.shape[1]}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one row (class)")
+    if weight.dtype != x.dtype:
+        raise TypeError(
+            f"input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype "
+            "(or run under torch.autocast, which casts both)"
+        )
+    if bias is not None:
+        check_tensor(bias, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"bias has dtype {bias.dtype}; it must match input's {x.dtype}")
+    if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype, got {accum_dtype}")
+
+
+class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Cross entropy of ``input @ weight.T + bias`` against ``target``, chunked over rows.
+
+    ``forward(ctx, input (N, D), weight (V, D), target (N,), bias=None, ce_weight=None,
+    ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
+    softcap=None, return_token_accuracy=False, accum_dtype=None)`` returns float32
+    ``(loss, z_loss, token_accuracy)`` as :class:`~liger_kernel.ops.cross_entropy.LigerCrossEntropyFunction`
+    does; only ``loss`` is differentiable. Gradients flow to ``input``, ``weight`` and
+    ``bias``, each skipped when it does not require grad (e.g. a frozen ``weight``).
+    ``accum_dtype=torch.float32`` accumulates dW over chunks in float32 (then casts to
+    the weight dtype; dX rows are single GEMMs with float32 accumulation either way).
+    Backward may run only once per forward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        _input: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        ce_weight: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: Optional[float] = None,
+        return_token_accuracy: bool = False,
+        accum_dtype: Optional[torch.dtype] = None,
+    ):
+        _check_linear_args(_input, weight, bias, accum_dtype)
+        n_rows, n_cols = _input.shape[0], weight.shape[0]
+        check_same_device(
+            [("input", _input), ("weight", weight), ("target", target), ("bias", bias), ("ce_weight", ce_weight)]
+        )
+        check_class_weight(ce_weight, n_cols, "ce_weight")
+        softcap_value = check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
+        check_target(target, n_rows, n_cols, ignore_index)
+        x = _input.contiguous()
+        accum_fp32 = accum_dtype == torch.float32 and weight.dtype != torch.float32
+        needs_input, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
+        needs_bias = bool(needs_bias) and bias is not None
+        options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), softcap_value)
+        in_forward = reduction != "none"
+        loss, z_loss, accuracy, grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_forward(
+            x,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            *options,
+            reduction,
+            bool(return_token_accuracy),
+            bool(needs_input) and in_forward,
+            bool(needs_weight) and in_forward,
+            needs_bias and in_forward,
+            accum_fp32,
+        )
+        ctx.reduction = reduction
+        ctx.needs = (bool(needs_input), bool(needs_weight), needs_bias)
+        if in_forward:
+            ctx.save_for_backward(grad_input, grad_weight, grad_bias)
+        else:
+            ctx.options = options
+            ctx.accum_fp32 = accum_fp32
+            ctx.save_for_backward(x, weight, target, bias, ce_weight)
+        ctx.mark_non_differentiable(z_loss, accuracy)
+        return loss, z_loss, accuracy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
+        needs_input, needs_weight, needs_bias = ctx.needs
+        if ctx.reduction != "none":
+            grad_input, grad_weight, grad_bias = ctx.saved_tensors
+            for grad, needed in ((grad_input, needs_input), (grad_weight, needs_weight), (grad_bias, needs_bias)):
+                if needed:
+                    grad.mul_(grad_loss)
+        else:
+            x, weight, target, bias, ce_weight = ctx.saved_tensors
+            grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_backward(
+                grad_loss, x, weight, target, bias, ce_weight, *ctx.options,
+                needs_input, needs_weight, needs_bias, ctx.accum_fp32,
+            )
+        return (
+            grad_input if needs_input else None,
+            grad_weight if needs_weight else None,
+            None,
+            grad_bias if needs_bias else None,
+        ) + (None,) * 8

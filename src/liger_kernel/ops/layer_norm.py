@@ -1,0 +1,167 @@
+"""LayerNorm over the last dimension, matching ``torch.nn.functional.layer_norm``.
+
+Shapes: ``X`` is (..., H) with any number of leading dimensions (N rows, any strides),
+``W`` and ``B`` are (H,) (``B`` may be None). The output has X's shape and dtype; the
+per-row ``mean`` and ``rstd`` (N,) fp32 are saved for backward. All arithmetic is in
+fp32; the output is rounded once to X's dtype.
+
+Forward, per row x of length H::
+
+    mu   = mean(x)
+    r    = 1 / sqrt(mean((x - mu)^2) + eps)        (biased variance, as torch)
+    xhat = (x - mu) * r
+    y    = xhat * w + b
+
+Rows that fit one register tile compute the mean and then the centred variance from
+registers (two-pass, no cancellation); wider rows (> ``utils.MAX_FUSED_BLOCK``) merge
+per-column-block (mean, M2) pairs with Chan's update, then normalise in a second pass.
+
+Backward, with g = dy * w::
+
+    dx = r * (g - mean(g) - xhat * mean(g * xhat))
+    dw = sum_rows(dy * xhat)
+    db = sum_rows(dy)
+
+dw and db are reduced deterministically in fp32: each of P persistent programs sums its
+own rows into row p of a (P, H) buffer, then the P rows are summed in a fixed order.
+
+The kernels are the row-normalisation kernels shared with RMSNorm
+(``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with
+``CENTER=True``. Empty inputs give empty outputs and zero dw/db.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from liger_kernel.ops.utils import (
+    ROW_NORM_CAST_FP32,
+    as_rows,
+    check_float_dtype,
+    check_last_dim,
+    check_same_device,
+    check_tensor,
+    liger_custom_op,
+    row_norm_backward_kernel,
+    row_norm_forward_kernel,
+    row_norm_launch,
+)
+
+
+def check_layer_norm_args(X: object, W: object, B: object, eps: object) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the offending argument."""
+    check_tensor(X, "X")
+    check_tensor(W, "W")
+    check_float_dtype(X, "X")
+    check_float_dtype(W, "W")
+    if W.dim() != 1:
+        raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
+    check_last_dim(X, W.shape[0], "X", "W.shape[0]")
+    if B is not None:
+        check_tensor(B, "B")
+        check_float_dtype(B, "B")
+        if B.shape != W.shape:
+            raise ValueError(f"B has shape {tuple(B.shape)}; it must match W's shape {tuple(W.shape)}")
+    check_same_device([("X", X), ("W", W), ("B", B)])
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def _launch_args(launch):
+    return dict(
+        CENTER=True, CASTING=ROW_NORM_CAST_FP32,
+        FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
+        ROUND_BY_HAND=launch.round_by_hand,
+        num_warps=launch.num_warps,
+    )
+
+
+@liger_custom_op("layer_norm_forward")
+def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Returns ``(y, mean, rstd)``: y like x, mean/rstd (N,) fp32."""
+    rows = as_rows(x)
+    n_rows, n_cols = rows.shape
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows > 0 and n_cols > 0:
+        launch = row_norm_launch(n_rows, n_cols, x.device)
+        w = weight.contiguous()
+        row_norm_forward_kernel[(launch.n_tiles,)](
+            rows, w, bias.contiguous() if bias is not None else w, y, mean, rstd,
+            n_rows, n_cols, rows.stride(0), y.stride(0),
+            eps, 0.0,
+            HAS_BIAS=bias is not None, **_launch_args(launch),
+        )
+    return y.view(x.shape), mean, rstd
+
+
+@layer_norm_forward.register_fake
+def _layer_norm_forward_fake(x, weight, bias, eps):
+    n_rows = math.prod(x.shape[:-1])
+    stats = x.new_empty((n_rows,), dtype=torch.float32)
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+
+
+@liger_custom_op("layer_norm_backward")
+def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor], mean: torch.Tensor,
+                        rstd: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns ``(grad_x, grad_weight, grad_bias)``.
+
+    ``grad_bias`` is like ``bias``, or an empty tensor when there is no bias (only its
+    shape and dtype are read).
+    """
+    has_bias = bias is not None
+    x_rows = as_rows(x)
+    n_rows, n_cols = x_rows.shape
+    dy_rows = as_rows(grad_output)
+    dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    grad_x = dx_rows.view(x.shape)
+    if n_rows == 0 or n_cols == 0:
+        grad_bias = torch.zeros_like(bias) if has_bias else weight.new_empty((0,))
+        return grad_x, torch.zeros_like(weight), grad_bias
+    launch = row_norm_launch(n_rows, n_cols, x.device)
+    n_partials = 2 if has_bias else 1
+    partials = torch.empty((n_partials, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
+    row_norm_backward_kernel[(launch.backward_programs,)](
+        dy_rows, x_rows, weight.contiguous(), mean, rstd, dx_rows, partials[0], partials[n_partials - 1],
+        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), 0.0,
+        HAS_BIAS=has_bias, **_launch_args(launch),
+    )
+    # Summed separately: two returns must not share storage (custom-op aliasing rule).
+    grad_weight = partials[0].sum(dim=0).to(weight.dtype).view(weight.shape)
+    grad_bias = partials[1].sum(dim=0).to(bias.dtype).view(bias.shape) if has_bias else weight.new_empty((0,))
+    return grad_x, grad_weight, grad_bias
+
+
+@layer_norm_backward.register_fake
+def _layer_norm_backward_fake(grad_output, x, weight, bias, mean, rstd):
+    grad_bias = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
+    return x.new_empty(x.shape), torch.empty_like(weight), grad_bias
+
+
+class LigerLayerNormFunction(torch.autograd.Function):
+    """``y = LayerNorm(X) * W + B`` over the last dim, as ``F.layer_norm``.
+
+    ``apply(X, W, B, eps)`` with X (..., H), W (H,), B (H,) or None; returns y with X's
+    shape and dtype. Gradients flow to X, W and B.
+    """
+
+    @staticmethod
+    def forward(ctx, X: torch.Tensor, W: torch.Tensor, B: Optional[torch.Tensor],
+                eps: float = 1e-6) -> torch.Tensor:
+        check_layer_norm_args(X, W, B, eps)
+        y, mean, rstd = layer_norm_forward(X, W, B, float(eps))
+        ctx.save_for_backward(X, W, B, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        X, W, B, mean, rstd = ctx.saved_tensors
+        grad_x, grad_w, grad_b = layer_norm_backward(grad_output, X, W, B, mean, rstd)
+        return grad_x, grad_w, (grad_b if B is not None else None), None

@@ -1,0 +1,212 @@
+"""RMSNorm over the last dimension: one Triton pass forward, one persistent pass backward.
+
+Shapes: ``X`` is (..., H) with any number of leading dimensions (N rows in total, any
+strides), ``W`` is (H,). The output has X's shape; ``rstd`` (N,) fp32 is saved for the
+backward pass instead of the normalised output.
+
+Forward, per row x (statistics always in fp32, r = rstd)::
+
+    r    = 1 / sqrt(mean(x^2) + eps)
+    xhat = x * r
+    y    = xhat * (w + offset)
+
+``casting_mode`` picks where the rounding to low precision happens, so each mode matches
+its Hugging Face reference:
+
+* ``"llama"`` (``LlamaRMSNorm``): ``y = (w + offset) * round_x(xhat)``, i.e. normalise in
+  fp32, round to the input dtype, then multiply by the weight; the output dtype is
+  ``torch.promote_types(x.dtype, w.dtype)``, as for HF's ``self.weight * h.to(input_dtype)``.
+* ``"gemma"`` (``GemmaRMSNorm``): ``y = round_x(xhat * (offset + float(w)))``, all in fp32,
+  output in x's dtype. Gemma uses ``offset=1.0`` with zero-initialised weights.
+* ``"none"``: computed in the input dtype (every product rounded to it, as torch would);
+  only the mean of squares is accumulated in fp32. Output in x's dtype.
+
+Backward, with g = dy * (w + offset) (in fp32)::
+
+    dx = r * (g - xhat * mean(g * xhat))
+    dw = sum_rows(dy * xhat)
+
+In ``"llama"`` and ``"none"`` modes the xhat in dw is the one the forward actually
+multiplied by w (rounded to the input dtype), and g is rounded to the input dtype, which
+is what autograd of the HF module does through its ``.to(input_dtype)``. dw is reduced
+deterministically in fp32: each of P persistent programs sums its own rows into row p of
+a (P, H) fp32 buffer, which is then summed in a fixed order.
+
+``in_place=True`` lets the backward write dx over dy's storage (no new N x H buffer)
+when that is safe for the kernel: dy contiguous and of x's dtype (otherwise a fresh dx is
+allocated). The caller must not need dy afterwards: if the norm's output gradient is the
+very tensor another backward node also receives (e.g. the output is added straight to a
+residual stream whose gradient is not copied), use ``in_place=False``.
+
+Rows of all zeros give y = 0 and rstd = 1/sqrt(eps) (finite for eps > 0); empty inputs
+give empty outputs and a zero dw. Rows wider than ``utils.MAX_FUSED_BLOCK`` are processed
+in column blocks (two passes over the row) instead of one register tile.
+"""
+
+import math
+from typing import Tuple
+
+import torch
+
+from liger_kernel.ops.utils import (
+    ROW_NORM_CAST_FP32,
+    ROW_NORM_CAST_LLAMA,
+    ROW_NORM_CAST_NONE,
+    as_rows,
+    check_float_dtype,
+    check_last_dim,
+    check_same_device,
+    check_tensor,
+    liger_custom_op,
+    row_norm_backward_kernel,
+    row_norm_forward_kernel,
+    row_norm_launch,
+)
+
+CASTING_MODES = {
+    "none": ROW_NORM_CAST_NONE,
+    "llama": ROW_NORM_CAST_LLAMA,
+    "gemma": ROW_NORM_CAST_FP32,
+}
+
+
+def _casting_code(casting_mode: str) -> int:
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {sorted(CASTING_MODES)}, got {casting_mode!r}")
+    return CASTING_MODES[casting_mode]
+
+
+def rms_norm_output_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting_mode: str) -> torch.dtype:
+    """dtype of the RMSNorm output: promoted in llama mode (as HF), the input's otherwise."""
+    if casting_mode == "llama":
+        return torch.promote_types(x_dtype, w_dtype)
+    return x_dtype
+
+
+def check_rms_norm_args(X: object, W: object, eps: object, offset: object, casting_mode: object,
+                        in_place: object) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the offending argument."""
+    check_tensor(X, "X")
+    check_tensor(W, "W")
+    check_float_dtype(X, "X")
+    check_float_dtype(W, "W")
+    if W.dim() != 1:
+        raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
+    check_last_dim(X, W.shape[0], "X", "W.shape[0]")
+    check_same_device([("X", X), ("W", W)])
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool):
+        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+    if not isinstance(casting_mode, str):
+        raise TypeError(f"casting_mode must be a str, got {type(casting_mode).__name__}")
+    _casting_code(casting_mode)
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+
+
+def _n_rows(x: torch.Tensor) -> int:
+    return math.prod(x.shape[:-1])
+
+
+@liger_custom_op("rms_norm_forward")
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                     casting_mode: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Returns ``(y, rstd)``: y like x, rstd (N,) fp32."""
+    casting = _casting_code(casting_mode)
+    rows = as_rows(x)
+    n_rows, n_cols = rows.shape
+    y = torch.empty((n_rows, n_cols), dtype=rms_norm_output_dtype(x.dtype, weight.dtype, casting_mode),
+                    device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows > 0 and n_cols > 0:
+        launch = row_norm_launch(n_rows, n_cols, x.device)
+        row_norm_forward_kernel[(launch.n_tiles,)](
+            rows, weight.contiguous(), rows, y, rstd, rstd,  # no bias, no mean: unused pointers
+            n_rows, n_cols, rows.stride(0), y.stride(0),
+            eps, offset,
+            CENTER=False, HAS_BIAS=False, CASTING=casting,
+            FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
+            ROUND_BY_HAND=launch.round_by_hand,
+            num_warps=launch.num_warps,
+        )
+    return y.view(x.shape), rstd
+
+
+@rms_norm_forward.register_fake
+def _rms_norm_forward_fake(x, weight, eps, offset, casting_mode):
+    out_dtype = rms_norm_output_dtype(x.dtype, weight.dtype, casting_mode)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((_n_rows(x),), dtype=torch.float32)
+
+
+@liger_custom_op("rms_norm_backward", mutates_args=("grad_output",))
+def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      offset: float, casting_mode: str, in_place: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns ``(grad_x, grad_weight)``.
+
+    With ``in_place=True`` (caller guarantees grad_output is contiguous with x's dtype)
+    grad_x is written into ``grad_output`` and the returned grad_x is an empty tensor
+    (a custom op may not return an alias of its input); the caller uses grad_output.
+    """
+    casting = _casting_code(casting_mode)
+    x_rows = as_rows(x)
+    n_rows, n_cols = x_rows.shape
+    if in_place:
+        dy_rows = grad_output.view(n_rows, n_cols)
+        dx_rows = dy_rows
+        grad_x = x.new_empty((0,))
+    else:
+        dy_rows = as_rows(grad_output)
+        dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        grad_x = dx_rows.view(x.shape)
+    if n_rows == 0 or n_cols == 0:
+        return grad_x, torch.zeros_like(weight)
+    launch = row_norm_launch(n_rows, n_cols, x.device)
+    dw_partial = torch.empty((launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
+    row_norm_backward_kernel[(launch.backward_programs,)](
+        dy_rows, x_rows, weight.contiguous(), rstd, rstd, dx_rows, dw_partial, dw_partial,
+        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
+        CENTER=False, HAS_BIAS=False, CASTING=casting,
+        FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
+        ROUND_BY_HAND=launch.round_by_hand,
+        num_warps=launch.num_warps,
+    )
+    grad_weight = dw_partial.sum(dim=0).to(weight.dtype).view(weight.shape)
+    return grad_x, grad_weight
+
+
+@rms_norm_backward.register_fake
+def _rms_norm_backward_fake(grad_output, x, weight, rstd, offset, casting_mode, in_place):
+    grad_x = x.new_empty((0,)) if in_place else x.new_empty(x.shape)
+    return grad_x, torch.empty_like(weight)
+
+
+class LigerRMSNormFunction(torch.autograd.Function):
+    """``y = RMSNorm(X) * (W + offset)`` over the last dim; see the module docstring.
+
+    ``apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=True)`` with X (..., H)
+    and W (H,); returns y with X's shape. Gradients flow to X and W.
+    """
+
+    @staticmethod
+    def forward(ctx, X: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+                casting_mode: str = "llama", in_place: bool = True) -> torch.Tensor:
+        check_rms_norm_args(X, W, eps, offset, casting_mode, in_place)
+        y, rstd = rms_norm_forward(X, W, float(eps), float(offset), casting_mode)
+        ctx.save_for_backward(X, W, rstd)
+        ctx.offset = float(offset)
+        ctx.casting_mode = casting_mode
+        ctx.in_place = in_place
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        X, W, rstd = ctx.saved_tensors
+        write_into_grad = ctx.in_place and grad_output.is_contiguous() and grad_output.dtype == X.dtype
+        grad_x, grad_w = rms_norm_backward(grad_output, X, W, rstd, ctx.offset, ctx.casting_mode,
+                                           write_into_grad)
+        if write_into_grad:
+            grad_x = grad_output
+        return grad_x, grad_w, None, None, None, None

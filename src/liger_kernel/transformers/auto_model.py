@@ -1,0 +1,48 @@
+"""``AutoLigerKernelForCausalLM``: ``AutoModelForCausalLM`` that returns a Liger-patched model.
+
+Liger options (``rope``, ``rms_norm``, ``swiglu``/``geglu``, ``cross_entropy``,
+``fused_linear_cross_entropy``) are taken out of the keyword arguments; the rest go to
+Hugging Face unchanged. The loaded model is patched in place for its own
+``config.model_type`` (no class-level side effect on other models); options the family does
+not take are dropped with a warning, an unsupported model type is returned unpatched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from transformers import AutoModelForCausalLM
+
+from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+LIGER_OPTIONS = frozenset(
+    name
+    for apply_fn in MODEL_TYPE_TO_APPLY_LIGER_FN.values()
+    for name in inspect.signature(apply_fn).parameters
+    if name != "model"
+)
+
+
+def _split_liger_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    liger = {name: value for name, value in kwargs.items() if name in LIGER_OPTIONS}
+    hf = {name: value for name, value in kwargs.items() if name not in LIGER_OPTIONS}
+    return liger, hf
+
+
+class AutoLigerKernelForCausalLM(AutoModelForCausalLM):
+    """``AutoModelForCausalLM.from_pretrained`` / ``from_config`` plus Liger patching of the result."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any):
+        liger_options, hf_kwargs = _split_liger_options(kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **hf_kwargs)
+        _apply_liger_kernel_to_instance(model=model, **liger_options)
+        return model
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any):
+        liger_options, hf_kwargs = _split_liger_options(kwargs)
+        model = super().from_config(config, **hf_kwargs)
+        _apply_liger_kernel_to_instance(model=model, **liger_options)
+        return model

@@ -1,0 +1,248 @@
+"""One fused-loss ``*ForCausalLM.forward`` shared by every patched model family.
+
+In training with labels the language-model head and the cross entropy run as one fused
+kernel (:func:`liger_fused_linear_cross_entropy`): the ``(tokens, vocab)`` logits are never
+materialised, which is most of the activation memory of a small-to-medium LLM step.
+
+Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_utils.py``):
+
+* labels are shifted left by one and padded with ``ignore_index`` (-100) unless
+  ``shift_labels`` is given, which is used as is (already aligned with the positions);
+* positions whose label is ``ignore_index`` do not count;
+* with ``num_items_in_batch`` the loss is the *sum* over counted tokens divided by it (so
+  gradient accumulation over micro-batches reproduces the full-batch mean exactly), without
+  it the mean over counted tokens:
+  ``loss = sum_t CE(W h_t, y_t) / (num_items_in_batch or #{t : y_t != ignore_index})``;
+* ``logits_to_keep`` (int ``k``: the last ``k`` positions, 0 = all; or an index tensor) selects
+  the positions whose logits (and loss) are computed;
+* a family's final-logit soft-cap (Gemma 2: ``logits = c * tanh(logits / c)``) is applied
+  inside the fused loss, and to returned logits;
+* a mixture-of-experts family adds ``router_aux_loss_coef * aux`` where ``aux`` is the
+  modeling module's load-balancing loss of the router logits (``output_router_logits``).
+
+Logits are returned when asked (``skip_logits=False``) and by default whenever the model is
+not training or has no labels - evaluation, ``generate()``. The loss then comes from the
+model's own ``self.loss_function`` on those logits, exactly as the unpatched forward does.
+
+The family details (soft-cap attribute, router loss function) come from
+:mod:`liger_kernel.transformers.families`; this module imports ``transformers`` only lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from liger_kernel.transformers.families import ModelFamily, family_of
+
+IGNORE_INDEX = -100
+
+
+def shift_causal_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``labels`` (B, T) -> (B, T) targets for next-token prediction: ``out[:, t] = labels[:, t + 1]``,
+    the last position ``ignore_index`` (HF pads before shifting)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _divide_by_items(loss: torch.Tensor, num_items_in_batch: torch.Tensor | int) -> torch.Tensor:
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def liger_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """HF's ``ForCausalLMLoss`` on materialised logits, with the Liger cross-entropy kernel.
+
+    ``logits`` (B, T, V) in any float dtype (the kernel accumulates in fp32, as HF's upcast
+    does), ``labels`` (B, T) int. Installed as the model's ``loss_function`` by
+    ``cross_entropy=True``; extra keyword arguments are accepted and ignored like HF's.
+    """
+    from liger_kernel.transformers.cross_entropy import liger_cross_entropy
+
+    if shift_labels is None:
+        shift_labels = shift_causal_labels(labels, ignore_index)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = liger_cross_entropy(
+        logits.reshape(-1, vocab_size),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        # The logits are also returned to the caller: the kernel must not overwrite them.
+        in_place=False,
+    )
+    if num_items_in_batch is not None:
+        loss = _divide_by_items(loss, num_items_in_batch)
+    return loss
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_name(base_model_class: type) -> str:
+    # transformers 5.24 renamed the decoder's ``past_key_values`` argument to ``cache`` (5.17
+    # still uses ``past_key_values``); pass it under whichever name the base model takes.
+    params = inspect.signature(base_model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache_field(output_class: type) -> str:
+    names = {field.name for field in dataclasses.fields(output_class)}
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def _positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """(B, T, H) -> the positions whose logits are wanted, as HF slices them."""
+    if isinstance(logits_to_keep, int):
+        # 0 keeps everything: slice(-0, None) == slice(0, None).
+        return hidden_states[:, -logits_to_keep:, :]
+    return hidden_states[:, logits_to_keep, :]
+
+
+def _router_aux_loss_fn(family: ModelFamily | None):
+    if family is None or family.router_aux_loss_fn is None:
+        return None
+    return getattr(importlib.import_module(family.modeling_module), family.router_aux_loss_fn)
+
+
+def _logit_softcap(config, family: ModelFamily | None) -> float | None:
+    if family is None or family.logit_softcap_attr is None:
+        return None
+    return getattr(config, family.logit_softcap_attr, None)
+
+
+def liger_causal_lm_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    skip_logits: bool | None = None,
+    **kwargs: Any,
+):
+    """Drop-in ``forward`` for every ``*ForCausalLM`` in :data:`families.FAMILIES`.
+
+    Arguments are those of the HF forward (``input_ids`` (B, T), ``labels`` (B, T), ...) plus
+    ``skip_logits``: True computes only the loss with the fused kernel (needs labels or
+    ``shift_labels``), False always returns logits; None (default) skips them exactly when
+    training with labels. Loss-only keyword arguments: ``num_items_in_batch``,
+    ``shift_labels`` (B, T), ``ignore_index``; ``return_dict=False`` returns a tuple; MoE
+    families take ``output_router_logits``. Everything else goes to the decoder.
+
+    The explicit signature matters: the Trainer keeps dataset columns named in it and passes
+    ``num_items_in_batch`` only to a forward with ``**kwargs``; ``generate()`` looks for
+    ``logits_to_keep``, ``attention_mask`` and ``position_ids`` in it.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    config = self.config
+    family = family_of(getattr(config, "model_type", ""))
+
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(config, "return_dict", True)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    # 5.24's generate() passes the KV cache as ``cache``.
+    cache = kwargs.pop("cache", None)
+    if past_key_values is None:
+        past_key_values = cache
+
+    is_moe = family is not None and family.is_moe
+    output_router_logits = kwargs.pop("output_router_logits", None)
+    if is_moe:
+        if output_router_logits is None:
+            output_router_logits = getattr(config, "output_router_logits", False)
+        kwargs["output_router_logits"] = output_router_logits
+
+    base_model = getattr(self, self.base_model_prefix)
+    kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
+    outputs = base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        return_dict=True,
+        **kwargs,
+    )
+
+    hidden_states = _positions_to_keep(outputs.last_hidden_state, logits_to_keep)
+    has_targets = labels is not None or shift_labels is not None
+    if skip_logits is None:
+        skip_logits = self.training and has_targets
+    if skip_logits and not has_targets:
+        raise ValueError("skip_logits=True needs `labels` or `shift_labels` to compute the loss from.")
+
+    softcap = _logit_softcap(config, family)
+    loss = None
+    logits = None
+    if skip_logits:
+        if shift_labels is None:
+            shift_labels = shift_causal_labels(labels, ignore_index)
+        if shift_labels.shape[:2] != hidden_states.shape[:2]:
+            raise ValueError(
+                f"labels/shift_labels of shape {tuple(shift_labels.shape)} do not match the "
+                f"{tuple(hidden_states.shape[:2])} (batch, positions) kept by logits_to_keep={logits_to_keep!r}"
+            )
+        from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
+
+        lm_head = self.get_output_embeddings()
+        loss = liger_fused_linear_cross_entropy(
+            hidden_states.reshape(-1, hidden_states.shape[-1]),
+            lm_head.weight,
+            shift_labels.reshape(-1).to(hidden_states.device),
+            bias=lm_head.bias,
+            ignore_index=ignore_index,
+            reduction="sum" if num_items_in_batch is not None else "mean",
+            softcap=softcap,
+        )
+        if num_items_in_batch is not None:
+            loss = _divide_by_items(loss, num_items_in_batch)
+    else:
+        logits = self.get_output_embeddings()(hidden_states)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if has_targets:
+            loss_kwargs = {"num_items_in_batch": num_items_in_batch, "ignore_index": ignore_index}
+            if shift_labels is not None:
+                loss_kwargs["shift_labels"] = shift_labels
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+
+    fields: dict[str, Any] = {
+        "loss": loss,
+        "logits": logits,
+        "hidden_states": outputs.hidden_states,
+        "attentions": outputs.attentions,
+    }
+    output_class = CausalLMOutputWithPast
+    if is_moe:
+        output_class = MoeCausalLMOutputWithPast
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = _router_aux_loss_fn(family)(
+                outputs.router_logits, config.num_local_experts, config.num_experts_per_tok, attention_mask
+            )
+            if loss is not None:
+                loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
+        fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
+    fields[_output_cache_field(output_class)] = getattr(outputs, _output_cache_field(type(outputs)), None)
+
+    output = output_class(**fields)
+    return output if return_dict else output.to_tuple()

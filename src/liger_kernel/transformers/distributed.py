@@ -1,0 +1,107 @@
+"""Use a module's full parameters outside its ``forward`` under sharded data parallelism.
+
+The fused linear cross entropy reads ``lm_head.weight`` directly instead of calling
+``lm_head``; that is the point of the fusion (the logits are never materialised). Sharded
+data parallel wrappers only materialise a module's parameters around a call of that module,
+through the module's forward hooks:
+
+* FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps every parameter as a sharded
+  ``DTensor`` between calls and swaps in the all-gathered tensors from a forward pre-hook
+  of the module (or of the nearest ancestor) that ``fully_shard`` was applied to. Applied
+  to the root and the decoder layers only, ``lm_head`` belongs to the root group and its
+  weight is already gathered inside the root forward, where the fused loss runs. When
+  ``lm_head`` (or a parent below the root) is sharded on its own, its weight is still a
+  ``DTensor`` shard at that point.
+* DeepSpeed ZeRO-3 partitions every parameter (``param.ds_id`` set, ``param.data`` of size 0)
+  and gathers a module's parameters in that module's forward pre-hook, re-gathers them in
+  its backward pre-hook and partitions them again afterwards.
+
+:func:`call_with_full_parameters` therefore runs the loss *as the forward of the module*:
+for that one call ``module.forward`` is the loss function, so every hook the wrapper put on
+the module runs exactly as it would for ``module(hidden_states)``. FSDP2 all-gathers the
+weight, casts the floating inputs for its mixed-precision policy, registers the
+reduce-scatter of the weight gradient for the backward and reshards after the forward;
+ZeRO-3 gathers and releases the partitions and re-gathers them for the backward. Gradients
+therefore land on the sharded parameters as for an unfused ``lm_head`` call. When nothing
+is sharded the function is called directly (no hooks, no overhead, and nothing for
+``torch.compile`` to trace through).
+
+Tensor parallelism (a weight that is still a ``DTensor`` inside its module's forward) is
+not supported by the fused loss and raises a ``NotImplementedError``.
+
+This module needs only torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support
+    DTensor = None
+
+T = TypeVar("T")
+
+
+def _is_dtensor(tensor: torch.Tensor | None) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def _is_zero3_partitioned(tensor: torch.Tensor | None) -> bool:
+    # ``ds_status`` is a ``ZeroParamStatus`` enum; comparing by name avoids importing deepspeed.
+    if tensor is None or not hasattr(tensor, "ds_id"):
+        return False
+    status = getattr(tensor, "ds_status", None)
+    return getattr(status, "name", "AVAILABLE") != "AVAILABLE"
+
+
+def parameters_are_sharded(module: nn.Module) -> bool:
+    """True when one of ``module``'s own parameters is not materialised right now.
+
+    That is an FSDP2 ``DTensor`` shard or a DeepSpeed ZeRO-3 partition; inside the forward of
+    the sharded module (or of its FSDP2 root) the parameters are full and this is False.
+    """
+    return any(_is_dtensor(p) or _is_zero3_partitioned(p) for p in module.parameters(recurse=False))
+
+
+def call_with_full_parameters(module: nn.Module, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Return ``fn(module, *args, **kwargs)`` with ``module``'s parameters materialised.
+
+    ``fn`` must read the parameters from ``module`` (``module.weight``), not from a
+    reference taken earlier: under FSDP2 the gathered weight is a different tensor object.
+    Pass the input tensors (hidden states, labels) through ``args``/``kwargs`` rather than
+    closing over them, so the wrapper's hooks see them (FSDP2 registers the gradient
+    reduce-scatter on the inputs and casts them under a mixed-precision policy).
+
+    Raises ``NotImplementedError`` when a parameter is still a ``DTensor`` inside the
+    module's forward (tensor parallelism).
+    """
+    if not parameters_are_sharded(module):
+        return fn(module, *args, **kwargs)
+
+    def as_forward(*call_args: Any, **call_kwargs: Any) -> T:
+        for name, param in module.named_parameters(recurse=False):
+            if _is_dtensor(param):
+                raise NotImplementedError(
+                    f"{type(module).__name__}.{name} is a DTensor inside its module's forward "
+                    f"(placements {param.placements}): the fused linear cross entropy does not "
+                    "support a tensor-parallel lm_head; patch with fused_linear_cross_entropy=False"
+                )
+        return fn(module, *call_args, **call_kwargs)
+
+    # An instance attribute shadows the class's forward for this one call; a forward already
+    # bound on the instance (another patch) is put back afterwards.
+    previous = module.__dict__.get("forward", None)
+    module.forward = as_forward
+    try:
+        return module(*args, **kwargs)
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous

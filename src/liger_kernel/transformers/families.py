@@ -1,0 +1,211 @@
+"""The declarative table of Hugging Face model families that :mod:`monkey_patch` knows how to patch.
+
+Everything that differs between families lives here as data; the patching code
+(:mod:`liger_kernel.transformers.monkey_patch`) and the fused-loss forward
+(:mod:`liger_kernel.transformers.causal_lm`) read it and contain no per-model branches.
+Adding a family that follows an existing pattern is one new :class:`ModelFamily` entry.
+
+Per family the table records
+
+* where the modeling code lives (``transformers.models.<name>.modeling_<name>``) and the
+  name of its ``*ForCausalLM`` class;
+* its RMSNorm: the class name, how Liger must reproduce it (``offset`` added to the weight,
+  ``casting_mode``, the weight initialisation, whether the backward may overwrite the incoming
+  gradient in place) and every attribute that holds one (per decoder layer, per attention
+  block - Qwen3's ``q_norm``/``k_norm`` - and the final norm);
+* its MLP: the class name, which gated activation it computes, the config attribute naming
+  the activation and the values for which the Liger kernel is exact, and which Liger module
+  replaces it. Mixtral's experts hold fused 3-D weights and are patched by swapping only the
+  activation (``kind="experts"``);
+* the module-level rotary function used by the attention forward;
+* loss details: the config attribute of a final-logit tanh soft-cap (Gemma 2) and the module
+  function computing a router auxiliary loss (Mixtral).
+
+This module imports nothing from ``transformers`` or ``torch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Activation names (values of ``config.hidden_act`` / ``hidden_activation``) for which each
+# Liger gated activation reproduces the HF MLP exactly.
+SILU_ACTIVATIONS = ("silu", "swish")
+GELU_TANH_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast_tanh", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """How a family's RMSNorm is computed and where its instances sit.
+
+    ``offset``/``casting_mode``/``init_fn`` are passed to :class:`LigerRMSNorm`: Llama-style
+    norms compute ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (``offset=0``, ``"llama"``,
+    weight initialised to ones); Gemma-style norms compute
+    ``((x * rsqrt(mean(x^2) + eps)) * (1 + w)).to(dtype)`` in fp32 (``offset=1``, ``"gemma"``,
+    zeros). ``eps_attr`` is the attribute the HF class stores epsilon in.
+
+    ``in_place`` lets the backward write ``dx`` into the buffer of the incoming ``dy``. That is
+    only safe when nothing else reads that gradient tensor; a norm whose output feeds a
+    residual add directly (Gemma 2's post-attention / post-feedforward norms) shares ``dy``
+    with the residual branch, so such families use ``in_place=False``.
+
+    ``layer_attrs`` are attribute paths relative to each decoder layer (``model.layers[i]``),
+    ``final_attr`` is relative to the base model; together they list every norm instance.
+    """
+
+    class_name: str
+    layer_attrs: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    final_attr: str = "norm"
+    offset: float = 0.0
+    casting_mode: str = "llama"
+    init_fn: str = "ones"
+    in_place: bool = True
+    eps_attr: str = "variance_epsilon"
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A family's feed-forward block and its Liger replacement.
+
+    ``kind`` is one of
+
+    * ``"swiglu"``: ``down(silu(gate(x)) * up(x))`` with ``gate_proj``/``up_proj``/``down_proj``;
+    * ``"phi3_swiglu"``: the same with one fused ``gate_up_proj`` (gate first);
+    * ``"geglu"``: ``down(gelu_tanh(gate(x)) * up(x))``;
+    * ``"experts"``: fused 3-D expert weights (``gate_up_proj`` (E, 2I, H), ``down_proj``
+      (E, H, I)); only the activation ``act(gate) * up`` is replaced, the routing and the
+      expert matmuls stay HF's.
+
+    ``liger_module``/``liger_class`` name the Liger ``nn.Module`` that replaces
+    ``class_name`` (unused for experts). ``activation_attr`` is the config attribute holding
+    the activation name; the kernel is applied only when its value is in ``activations``.
+    ``option`` is the keyword of the patch function that switches it (``swiglu`` or ``geglu``).
+    ``layer_attr`` is the attribute of each decoder layer holding the block, and for experts
+    ``experts_attr`` the attribute of that block holding the experts module.
+    """
+
+    class_name: str
+    kind: str
+    option: str
+    activation_attr: str = "hidden_act"
+    activations: tuple[str, ...] = SILU_ACTIVATIONS
+    liger_module: str = ""
+    liger_class: str = ""
+    layer_attr: str = "mlp"
+    experts_attr: str = ""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything the patching code needs to know about one ``config.model_type``."""
+
+    model_type: str
+    modeling_module: str
+    causal_lm_class: str
+    norm: NormSpec
+    mlp: MLPSpec
+    rotary_fn: str = "apply_rotary_pos_emb"
+    # Config attribute holding a tanh soft-cap applied to the final logits (None: no soft-cap).
+    logit_softcap_attr: str | None = None
+    # Module-level function of the modeling file computing the router auxiliary loss; the
+    # forward adds ``config.router_aux_loss_coef * aux`` to the loss when router logits are asked.
+    router_aux_loss_fn: str | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.router_aux_loss_fn is not None
+
+
+def _modeling(name: str) -> str:
+    return f"transformers.models.{name}.modeling_{name}"
+
+
+_SWIGLU = dict(kind="swiglu", option="swiglu", liger_module="swiglu", liger_class="LigerSwiGLUMLP")
+_GEGLU = dict(
+    kind="geglu", option="geglu", activations=GELU_TANH_ACTIVATIONS, liger_module="geglu",
+    liger_class="LigerGEGLUMLP",
+)
+_GEMMA_NORM = dict(offset=1.0, casting_mode="gemma", init_fn="zeros", eps_attr="eps")
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.model_type: family
+    for family in (
+        ModelFamily(
+            model_type="llama",
+            modeling_module=_modeling("llama"),
+            causal_lm_class="LlamaForCausalLM",
+            norm=NormSpec("LlamaRMSNorm"),
+            mlp=MLPSpec("LlamaMLP", **_SWIGLU),
+        ),
+        ModelFamily(
+            model_type="mistral",
+            modeling_module=_modeling("mistral"),
+            causal_lm_class="MistralForCausalLM",
+            norm=NormSpec("MistralRMSNorm"),
+            mlp=MLPSpec("MistralMLP", **_SWIGLU),
+        ),
+        ModelFamily(
+            model_type="mixtral",
+            modeling_module=_modeling("mixtral"),
+            causal_lm_class="MixtralForCausalLM",
+            norm=NormSpec("MixtralRMSNorm"),
+            mlp=MLPSpec("MixtralExperts", kind="experts", option="swiglu", experts_attr="experts"),
+            router_aux_loss_fn="load_balancing_loss_func",
+        ),
+        ModelFamily(
+            model_type="gemma",
+            modeling_module=_modeling("gemma"),
+            causal_lm_class="GemmaForCausalLM",
+            norm=NormSpec("GemmaRMSNorm", **_GEMMA_NORM),
+            mlp=MLPSpec("GemmaMLP", **_GEGLU),
+        ),
+        ModelFamily(
+            model_type="gemma2",
+            modeling_module=_modeling("gemma2"),
+            causal_lm_class="Gemma2ForCausalLM",
+            norm=NormSpec(
+                "Gemma2RMSNorm",
+                layer_attrs=(
+                    "input_layernorm", "post_attention_layernorm",
+                    "pre_feedforward_layernorm", "post_feedforward_layernorm",
+                ),
+                in_place=False,
+                **_GEMMA_NORM,
+            ),
+            mlp=MLPSpec("Gemma2MLP", activation_attr="hidden_activation", **_GEGLU),
+            logit_softcap_attr="final_logit_softcapping",
+        ),
+        ModelFamily(
+            model_type="qwen2",
+            modeling_module=_modeling("qwen2"),
+            causal_lm_class="Qwen2ForCausalLM",
+            norm=NormSpec("Qwen2RMSNorm"),
+            mlp=MLPSpec("Qwen2MLP", **_SWIGLU),
+        ),
+        ModelFamily(
+            model_type="qwen3",
+            modeling_module=_modeling("qwen3"),
+            causal_lm_class="Qwen3ForCausalLM",
+            norm=NormSpec(
+                "Qwen3RMSNorm",
+                layer_attrs=("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"),
+            ),
+            mlp=MLPSpec("Qwen3MLP", **_SWIGLU),
+        ),
+        ModelFamily(
+            model_type="phi3",
+            modeling_module=_modeling("phi3"),
+            causal_lm_class="Phi3ForCausalLM",
+            norm=NormSpec("Phi3RMSNorm"),
+            mlp=MLPSpec(
+                "Phi3MLP", kind="phi3_swiglu", option="swiglu", liger_module="swiglu",
+                liger_class="LigerPhi3SwiGLUMLP",
+            ),
+        ),
+    )
+}
+
+
+def family_of(model_type: str) -> ModelFamily | None:
+    """The table entry for ``model_type`` (``config.model_type``), or None when unsupported."""
+    return FAMILIES.get(model_type)

@@ -1,0 +1,136 @@
+"""Fused linear + cross entropy loss: the LM head and its loss without (N, V) logits.
+
+See :mod:`liger_kernel.ops.fused_linear_cross_entropy` for the chunking and the memory
+bound, and :mod:`liger_kernel.ops.cross_entropy` for the loss definitions.
+"""
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from liger_kernel.ops.cross_entropy import CrossEntropyOutput
+from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+__all__ = ["LigerFusedLinearCrossEntropyLoss", "liger_fused_linear_cross_entropy"]
+
+
+def _autocast_operands(input, weight, bias):
+    # Under autocast, F.linear would run in the autocast dtype; cast the operands the same
+    # way (autograd carries the gradients back through the casts to fp32 parameters).
+    device_type = input.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return input, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return input.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def liger_fused_linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ce_weight: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    lse_square_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    softcap: Optional[float] = None,
+    return_z_loss: bool = False,
+    accum_dtype: Optional[torch.dtype] = None,
+    return_token_accuracy: bool = False,
+) -> Union[torch.Tensor, CrossEntropyOutput]:
+    """``F.cross_entropy(input @ weight.T + bias, target, ...)`` without materialising the logits.
+
+    ``input`` (N, D) hidden states (e.g. ``hidden_states.reshape(-1, D)``), ``weight``
+    (V, D) the LM head (may be frozen), ``bias`` (V,) or None, ``target`` (N,) class
+    indices. ``ce_weight`` (V,) are the class weights; the other options are those of
+    :func:`liger_kernel.transformers.cross_entropy.liger_cross_entropy`, and so is the
+    return value (a float32 loss, or a :class:`CrossEntropyOutput` when ``return_z_loss``
+    or ``return_token_accuracy`` is set). ``accum_dtype=torch.float32`` accumulates the
+    weight gradient in float32 for bf16/fp16 weights. ``input`` and ``weight`` must share a
+    dtype unless autocast is on, in which case both are cast to the autocast dtype.
+    """
+    input, weight, bias = _autocast_operands(input, weight, bias)
+    loss, z_loss, accuracy = LigerFusedLinearCrossEntropyFunction.apply(
+        input,
+        weight,
+        target,
+        bias,
+        ce_weight,
+        ignore_index,
+        lse_square_scale,
+        label_smoothing,
+        reduction,
+        softcap,
+        return_token_accuracy,
+        accum_dtype,
+    )
+    if not (return_z_loss or return_token_accuracy):
+        return loss
+    return CrossEntropyOutput(
+        loss,
+        z_loss if return_z_loss else None,
+        accuracy if return_token_accuracy else None,
+    )
+
+
+class LigerFusedLinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`liger_fused_linear_cross_entropy`.
+
+    ``forward(lin_weight (V, D), _input (N, D), target (N,), bias=None)``: note the
+    weight comes first (the LM head's weight is passed in, not owned by this module).
+    """
+
+    def __init__(
+        self,
+        ce_weight: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: Optional[float] = None,
+        return_z_loss: bool = False,
+        accum_dtype: Optional[torch.dtype] = None,
+        return_token_accuracy: bool = False,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("ce_weight", ce_weight, persistent=False)
+        self.ignore_index = ignore_index
+        self.lse_square_scale = lse_square_scale
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.accum_dtype = accum_dtype
+        self.return_token_accuracy = return_token_accuracy
+
+    def forward(
+        self,
+        lin_weight: torch.Tensor,
+        _input: torch.Tensor,
+        target: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, CrossEntropyOutput]:
+        return liger_fused_linear_cross_entropy(
+            _input,
+            lin_weight,
+            target,
+            bias=bias,
+            ce_weight=self.ce_weight,
+            ignore_index=self.ignore_index,
+            lse_square_scale=self.lse_square_scale,
+            label_smoothing=self.label_smoothing,
+            reduction=self.reduction,
+            softcap=self.softcap,
+            return_z_loss=self.return_z_loss,
+            accum_dtype=self.accum_dtype,
+            return_token_accuracy=self.return_token_accuracy,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
+            f"softcap={self.softcap}, accum_dtype={self.accum_dtype}"
+        )

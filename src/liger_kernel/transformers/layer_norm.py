@@ -1,0 +1,55 @@
+"""``LigerLayerNorm``: drop-in replacement for ``torch.nn.LayerNorm`` over the last dimension.
+
+Matches ``torch.nn.functional.layer_norm`` forward and backward; the math is in
+:mod:`liger_kernel.ops.layer_norm`. Needs only torch and triton.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+from liger_kernel.transformers.rms_norm import norm_eps
+
+
+def liger_layer_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """LayerNorm of ``X`` (..., H) over its last dim: ``(x - mean) / sqrt(var + eps) * W + B``."""
+    return LigerLayerNormFunction.apply(X, W, B, eps)
+
+
+class LigerLayerNorm(nn.Module):
+    """LayerNorm over the last dimension with a learnable ``weight`` (ones) and ``bias`` (zeros).
+
+    Args:
+        hidden_size: size H of the last dimension.
+        eps: added to the variance; stored as ``variance_epsilon`` (alias ``eps``).
+        bias: whether to learn a bias (``self.bias`` is None otherwise).
+
+    ``forward`` reads ``weight``, ``bias`` (default None) and the eps (``variance_epsilon``
+    or ``eps``), so it can also be bound onto ``nn.LayerNorm`` instances with affine weights.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, bias: bool = True, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.variance_epsilon = eps
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self.variance_epsilon = value
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return LigerLayerNormFunction.apply(hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self))
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={norm_eps(self)}, bias={getattr(self, 'bias', None) is not None}"

@@ -1,0 +1,539 @@
+"""One-line patching of Hugging Face models with the Liger kernels.
+
+``apply_liger_kernel_to_<family>(rope=True, cross_entropy=False, fused_linear_cross_entropy=True,
+rms_norm=True, swiglu=True, model=None)`` (``geglu=True`` instead of ``swiglu`` for Gemma
+families) exists for every entry of :data:`liger_kernel.transformers.families.FAMILIES`; all
+of them are generated from that table and run the same code below.
+
+Two modes:
+
+* ``model=None`` (class level) replaces names in the family's modeling module, so models
+  built afterwards use the kernels: the RMSNorm class, the MLP class (or, for fused experts,
+  the experts class with only its activation replaced), the module-level rotary function, the
+  ``*ForCausalLM.forward`` (fused linear cross entropy, :mod:`causal_lm`) and, with
+  ``cross_entropy=True``, the class's ``loss_function``. Everything replaced is recorded and
+  :func:`revert_liger_kernel` / :func:`liger_kernel_patched` put the originals back.
+* ``model=<instance>`` patches that instance in place and leaves every other instance alone:
+  every norm and MLP of the model gets the Liger ``forward`` bound into its ``__dict__``
+  (``types.MethodType``, which survives ``copy.deepcopy`` and works with gradient
+  checkpointing and ``generate()``), the model gets the fused-loss forward. Rotary embeddings
+  are applied by a module-level function the attention forward looks up in its globals, so
+  for an instance each attention module gets a copy of its own ``forward`` whose globals map
+  the rotary name to the Liger kernel (decorators such as ``deprecate_kwarg`` are rebuilt
+  around the copy) - the class, the module and other instances are untouched.
+
+Trainer integration: transformers calls ``_apply_liger_kernel_to_instance(model=..., **config)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import logging
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from liger_kernel.transformers.causal_lm import liger_causal_lm_forward, liger_causal_lm_loss
+from liger_kernel.transformers.families import FAMILIES, ModelFamily, NormSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MODEL_TYPE_TO_APPLY_LIGER_FN",
+    "_apply_liger_kernel",
+    "_apply_liger_kernel_to_instance",
+    "liger_kernel_patched",
+    "revert_liger_kernel",
+] + [f"apply_liger_kernel_to_{model_type}" for model_type in FAMILIES]
+
+
+# ----------------------------------------------------------------------------------------
+# Record of class-level patches: model_type -> {(id(owner), attribute): (owner, attribute,
+# original value, whether the attribute existed in owner.__dict__)}. Only the first patch of
+# an attribute is recorded, so the record always holds the true original.
+# ----------------------------------------------------------------------------------------
+_MISSING = object()
+_PATCHED: dict[str, dict[tuple[int, str], tuple[Any, str, Any]]] = {}
+
+
+def _set_patched(model_type: str, owner: Any, name: str, value: Any) -> None:
+    record = _PATCHED.setdefault(model_type, {})
+    key = (id(owner), name)
+    if key not in record:
+        record[key] = (owner, name, vars(owner).get(name, _MISSING))
+    setattr(owner, name, value)
+
+
+def _restore(owner: Any, name: str, value: Any) -> None:
+    if value is _MISSING:
+        if name in vars(owner):
+            delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+
+
+def _original(model_type: str, owner: Any, name: str) -> Any:
+    """``owner.name`` as it was before any Liger patch."""
+    saved = _PATCHED.get(model_type, {}).get((id(owner), name))
+    if saved is not None and saved[2] is not _MISSING:
+        return saved[2]
+    return getattr(owner, name)
+
+
+def revert_liger_kernel(model_type: str | None = None) -> None:
+    """Undo the class-level patches of ``model_type`` (all families when None).
+
+    Models built while patched keep their Liger modules; instance-level patches are not
+    recorded and stay (build a fresh model to get the original).
+    """
+    model_types = list(_PATCHED) if model_type is None else [model_type]
+    for mt in model_types:
+        for owner, name, value in reversed(list(_PATCHED.pop(mt, {}).values())):
+            _restore(owner, name, value)
+
+
+@contextlib.contextmanager
+def liger_kernel_patched(model_type: str, **kwargs: Any) -> Iterator[None]:
+    """Context manager: class-level patch of ``model_type`` for the ``with`` block only.
+
+    ``kwargs`` are the options of ``apply_liger_kernel_to_<model_type>`` (``model`` excluded).
+    On exit every attribute is put back to what it was on entry, so an enclosing patch of
+    the same family survives.
+    """
+    if "model" in kwargs:
+        raise TypeError("liger_kernel_patched patches classes; use _apply_liger_kernel_to_instance for a model")
+    before = {key: (owner, name, vars(owner).get(name, _MISSING))
+              for key, (owner, name, _) in _PATCHED.get(model_type, {}).items()}
+    _apply_liger_kernel(model_type, **kwargs)
+    try:
+        yield
+    finally:
+        record = _PATCHED.get(model_type, {})
+        for key in reversed(list(record)):
+            owner, name, original = record[key]
+            if key in before:
+                _restore(owner, name, before[key][2])
+            else:
+                _restore(owner, name, original)
+                del record[key]
+        if not record:
+            _PATCHED.pop(model_type, None)
+
+
+# ----------------------------------------------------------------------------------------
+# Liger replacements built from the table.
+# ----------------------------------------------------------------------------------------
+def _modeling(family: ModelFamily) -> types.ModuleType:
+    return importlib.import_module(family.modeling_module)
+
+
+def _activation_supported(config: Any, family: ModelFamily) -> bool:
+    return getattr(config, family.mlp.activation_attr, None) in family.mlp.activations
+
+
+def _warn_unsupported_activation(config: Any, family: ModelFamily) -> None:
+    spec = family.mlp
+    logger.warning(
+        "%s: %s=%r is not one of %s, which the Liger %s kernel reproduces; keeping the HF MLP.",
+        family.model_type, spec.activation_attr, getattr(config, spec.activation_attr, None),
+        spec.activations, spec.option,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _liger_norm_class(model_type: str) -> type:
+    """A :class:`LigerRMSNorm` subclass built like the family's norm: ``cls(hidden_size, eps)``.
+
+    Its name keeps ``RMSNorm`` in it, which is how HF's ``_init_weights`` recognises norms.
+    """
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    spec: NormSpec = FAMILIES[model_type].norm
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, **kwargs: Any) -> None:
+        LigerRMSNorm.__init__(
+            self, hidden_size, eps=eps, offset=spec.offset, casting_mode=spec.casting_mode,
+            init_fn=spec.init_fn, in_place=spec.in_place, **kwargs,
+        )
+
+    name = f"Liger{spec.class_name}"
+    return type(name, (LigerRMSNorm,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+
+
+def _liger_mlp_base(family: ModelFamily) -> type:
+    spec = family.mlp
+    module = importlib.import_module(f"liger_kernel.transformers.{spec.liger_module}")
+    return getattr(module, spec.liger_class)
+
+
+def liger_apply_gate(self: nn.Module, gate_up_out: Any) -> Any:
+    """``silu(gate) * up`` of a fused (..., 2I) gate-up projection (gate first), with the Liger kernel.
+
+    Replaces HF's ``_apply_gate`` of fused-expert modules (``use_experts_implementation``).
+    """
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return LigerSiLUMulFunction.apply(gate, up)
+
+
+def _eager_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+    """HF's eager fused-experts loop, with the gate applied through ``self._apply_gate``.
+
+    ``hidden_states`` (S, H), ``top_k_index``/``top_k_weights`` (S, K). The same steps as
+    ``MixtralExperts.forward`` (transformers 5.17-5.24): an index equal to ``num_experts``
+    marks a token routed to another (expert-parallel) rank and is skipped; 5.17 never emits it.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        gated = self._apply_gate(F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]))
+        expert_out = F.linear(gated, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, expert_out.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def liger_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+    """Fused-experts forward dispatching like HF's ``use_experts_implementation``.
+
+    ``config._experts_implementation`` picks HF's grouped/batched matmul kernels (which call
+    ``self._apply_gate``, here the Liger activation) or, for ``"eager"``, the loop above.
+    """
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    implementation = getattr(self.config, "_experts_implementation", None)
+    forward = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, _eager_experts_forward)
+    return forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+@functools.lru_cache(maxsize=None)
+def _liger_mlp_class(model_type: str, hf_class: type) -> type:
+    """The class replacing the family's MLP (or experts) class in its modeling module.
+
+    Built from ``config`` like the HF class. For a config whose activation the kernel does not
+    reproduce, construction returns the HF class instead (``__new__``), so patching never
+    changes the math of such a model.
+    """
+    family = FAMILIES[model_type]
+    if family.mlp.kind == "experts":
+        base = hf_class
+        namespace: dict[str, Any] = {"forward": liger_experts_forward, "_apply_gate": liger_apply_gate}
+    else:
+        base = _liger_mlp_base(family)
+        namespace = {}
+
+    def __new__(cls, config: Any, *args: Any, **kwargs: Any):
+        if not _activation_supported(config, family):
+            _warn_unsupported_activation(config, family)
+            return hf_class(config, *args, **kwargs)
+        return nn.Module.__new__(cls)
+
+    name = f"Liger{family.mlp.class_name}"
+    namespace.update(__new__=__new__, __module__=__name__, __qualname__=name)
+    return type(name, (base,), namespace)
+
+
+# ----------------------------------------------------------------------------------------
+# Instance patching.
+# ----------------------------------------------------------------------------------------
+def _bind(module: nn.Module, name: str, fn: Callable) -> None:
+    # Stored in the instance __dict__: deepcopy re-binds it to the copy, the class is untouched.
+    object.__setattr__(module, name, types.MethodType(fn, module))
+
+
+def _patch_norm_instance(module: nn.Module, spec: NormSpec) -> None:
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    module.offset = spec.offset
+    module.casting_mode = spec.casting_mode
+    module.in_place = spec.in_place
+    _bind(module, "forward", LigerRMSNorm.forward)
+    _bind(module, "extra_repr", LigerRMSNorm.extra_repr)
+    module._liger_patched = True
+
+
+def _resolve(root: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+def _decoder_layers(base_model: nn.Module) -> list[nn.Module]:
+    layers = getattr(base_model, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def _patch_norms(model: nn.Module, family: ModelFamily) -> int:
+    spec = family.norm
+    base_model = model.base_model
+    norms = [_resolve(base_model, spec.final_attr)]
+    for layer in _decoder_layers(base_model):
+        norms.extend(_resolve(layer, path) for path in spec.layer_attrs)
+    patched = 0
+    for norm in norms:
+        if norm is not None and type(norm).__name__ == spec.class_name:
+            _patch_norm_instance(norm, spec)
+            patched += 1
+    # The table lists where the norms sit; a norm it misses means the HF layout changed.
+    for name, module in model.named_modules():
+        if type(module).__name__ == spec.class_name and not getattr(module, "_liger_patched", False):
+            logger.warning("%s: norm %r is not listed in the family table; patching it anyway.",
+                           family.model_type, name)
+            _patch_norm_instance(module, spec)
+            patched += 1
+    return patched
+
+
+def _patch_mlps(model: nn.Module, family: ModelFamily) -> int:
+    spec = family.mlp
+    if not _activation_supported(model.config, family):
+        _warn_unsupported_activation(model.config, family)
+        return 0
+    patched = 0
+    for layer in _decoder_layers(model.base_model):
+        block = getattr(layer, spec.layer_attr, None)
+        if spec.kind == "experts":
+            target = getattr(block, spec.experts_attr, None)
+            if target is None or type(target).__name__ != spec.class_name:
+                continue
+            _bind(target, "forward", liger_experts_forward)
+            _bind(target, "_apply_gate", liger_apply_gate)
+        else:
+            if block is None or type(block).__name__ != spec.class_name:
+                continue
+            _bind(block, "forward", _liger_mlp_base(family).forward)
+        patched += 1
+    return patched
+
+
+def _innermost(fn: Callable) -> Callable:
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+_REBOUND: dict[tuple[Callable, tuple[tuple[str, Any], ...]], Callable] = {}
+
+
+def with_global_overrides(fn: Callable, overrides: dict[str, Any]) -> Callable:
+    """A copy of ``fn`` whose global-name lookups see ``overrides`` (``fn`` itself is unchanged).
+
+    ``functools.wraps`` decorator chains are followed through ``__wrapped__``: the innermost
+    function is copied with a globals dict ``{**its module globals, **overrides}`` and each
+    wrapper is copied with its closure cell pointing at the new inner function.
+    """
+    key = (fn, tuple(sorted(overrides.items())))
+    if key in _REBOUND:
+        return _REBOUND[key]
+    inner = getattr(fn, "__wrapped__", None)
+    closure = fn.__closure__
+    fn_globals = fn.__globals__
+    if inner is not None:
+        new_inner = with_global_overrides(inner, overrides)
+        cells = list(closure or ())
+        holds_inner = [i for i, cell in enumerate(cells) if _cell_value(cell) is inner]
+        if not holds_inner:
+            raise TypeError(f"cannot rebuild decorator {fn.__qualname__}: its closure does not hold the wrapped function")
+        for i in holds_inner:
+            cells[i] = types.CellType(new_inner)
+        closure = tuple(cells)
+    else:
+        fn_globals = {**fn_globals, **overrides}
+    new_fn = types.FunctionType(fn.__code__, fn_globals, fn.__name__, fn.__defaults__, closure)
+    new_fn.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
+    functools.update_wrapper(new_fn, fn)
+    if inner is not None:
+        new_fn.__wrapped__ = new_inner
+    else:
+        del new_fn.__wrapped__
+    _REBOUND[key] = new_fn
+    return new_fn
+
+
+def _cell_value(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # empty cell
+        return None
+
+
+def _patch_rope_instances(model: nn.Module, family: ModelFamily) -> int:
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    modeling = _modeling(family)
+    overrides = {family.rotary_fn: liger_rotary_pos_emb}
+    patched = 0
+    for module in model.modules():
+        forward = type(module).forward
+        inner = _innermost(forward)
+        uses_rotary = (
+            getattr(inner, "__globals__", None) is vars(modeling)
+            and family.rotary_fn in getattr(getattr(inner, "__code__", None), "co_names", ())
+        )
+        if uses_rotary:
+            _bind(module, "forward", with_global_overrides(forward, overrides))
+            patched += 1
+    return patched
+
+
+def _patch_instance(
+    family: ModelFamily, model: nn.Module, rope: bool, cross_entropy: bool, fused_linear_cross_entropy: bool,
+    rms_norm: bool, gated_mlp: bool,
+) -> None:
+    model = _unwrap_peft(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type != family.model_type:
+        raise ValueError(
+            f"apply_liger_kernel_to_{family.model_type} got a model of model_type {model_type!r}; "
+            "use _apply_liger_kernel_to_instance to dispatch on the model's own type"
+        )
+    counts = {}
+    if rms_norm:
+        counts["rms_norm"] = _patch_norms(model, family)
+    if gated_mlp:
+        counts[family.mlp.option] = _patch_mlps(model, family)
+    if rope:
+        counts["rope"] = _patch_rope_instances(model, family)
+    is_causal_lm = type(model).__name__ == family.causal_lm_class
+    if fused_linear_cross_entropy and is_causal_lm:
+        _bind(model, "forward", liger_causal_lm_forward)
+        counts["fused_linear_cross_entropy"] = 1
+    if cross_entropy and is_causal_lm:
+        model.loss_function = liger_causal_lm_loss
+        counts["cross_entropy"] = 1
+    logger.info("Liger kernels applied to a %s instance: %s", family.model_type, counts)
+
+
+def _patch_classes(
+    family: ModelFamily, rope: bool, cross_entropy: bool, fused_linear_cross_entropy: bool, rms_norm: bool,
+    gated_mlp: bool,
+) -> None:
+    mt = family.model_type
+    modeling = _modeling(family)
+    if rope:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+        _set_patched(mt, modeling, family.rotary_fn, liger_rotary_pos_emb)
+    if rms_norm:
+        _set_patched(mt, modeling, family.norm.class_name, _liger_norm_class(mt))
+    if gated_mlp:
+        hf_class = _original(mt, modeling, family.mlp.class_name)
+        _set_patched(mt, modeling, family.mlp.class_name, _liger_mlp_class(mt, hf_class))
+    causal_lm = getattr(modeling, family.causal_lm_class)
+    if fused_linear_cross_entropy:
+        _set_patched(mt, causal_lm, "forward", liger_causal_lm_forward)
+    if cross_entropy:
+        # PreTrainedModel.loss_function returns self._loss_function when it exists.
+        _set_patched(mt, causal_lm, "_loss_function", staticmethod(liger_causal_lm_loss))
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+# ----------------------------------------------------------------------------------------
+# The public apply functions, one per family, generated from the table.
+# ----------------------------------------------------------------------------------------
+def _make_apply_fn(family: ModelFamily) -> Callable[..., None]:
+    option = family.mlp.option
+    parameters = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+        for name, default, annotation in (
+            ("rope", True, "bool"),
+            ("cross_entropy", False, "bool"),
+            ("fused_linear_cross_entropy", True, "bool"),
+            ("rms_norm", True, "bool"),
+            (option, True, "bool"),
+            ("model", None, "PreTrainedModel | None"),
+        )
+    ]
+    signature = inspect.Signature(parameters, return_annotation="None")
+
+    def apply(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        if options["cross_entropy"] and options["fused_linear_cross_entropy"]:
+            raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True.")
+        model = options.pop("model")
+        gated_mlp = options.pop(option)
+        if model is None:
+            _patch_classes(family, gated_mlp=gated_mlp, **options)
+        else:
+            _patch_instance(family, model, gated_mlp=gated_mlp, **options)
+
+    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{family.model_type}"
+    apply.__module__ = __name__
+    apply.__signature__ = signature
+    apply.__doc__ = f"""Patch {family.model_type} models ({family.causal_lm_class}) with Liger kernels.
+
+    Args:
+        rope: rotary embedding kernel for ``{family.rotary_fn}``.
+        cross_entropy: Liger cross entropy as the model's loss function (logits materialised).
+        fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
+            Mutually exclusive with ``cross_entropy``.
+        rms_norm: Liger RMSNorm for ``{family.norm.class_name}`` (offset {family.norm.offset},
+            casting {family.norm.casting_mode!r}).
+        {option}: Liger {option} kernel in ``{family.mlp.class_name}``.
+        model: an instance to patch in place; None patches the modeling module (class level,
+            undone by ``revert_liger_kernel({family.model_type!r})``).
+    """
+    return apply
+
+
+MODEL_TYPE_TO_APPLY_LIGER_FN: dict[str, Callable[..., None]] = {
+    model_type: _make_apply_fn(family) for model_type, family in FAMILIES.items()
+}
+globals().update({fn.__name__: fn for fn in MODEL_TYPE_TO_APPLY_LIGER_FN.values()})
+
+
+def _accepted_kwargs(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
+    accepted = set(inspect.signature(fn).parameters)
+    dropped = sorted(set(kwargs) - accepted)
+    if dropped:
+        logger.warning("%s does not take %s; ignoring them.", fn.__name__, ", ".join(dropped))
+    return {name: value for name, value in kwargs.items() if name in accepted}
+
+
+def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
+    """Class-level patch of ``model_type`` (``config.model_type``) with the options it accepts.
+
+    Options an apply function does not take (e.g. ``swiglu`` for Gemma) are dropped with a
+    warning; an unsupported ``model_type`` logs a warning and patches nothing.
+    """
+    kwargs.pop("model", None)
+    apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply_fn is None:
+        logger.warning("No Liger kernels for model_type %r; supported: %s.", model_type,
+                       ", ".join(MODEL_TYPE_TO_APPLY_LIGER_FN))
+        return
+    apply_fn(**_accepted_kwargs(apply_fn, kwargs))
+
+
+def _apply_liger_kernel_to_instance(model: nn.Module, **kwargs: Any) -> None:
+    """Patch ``model`` (a ``PreTrainedModel`` or a PEFT wrapper of one) in place for its own model type."""
+    model = _unwrap_peft(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply_fn is None:
+        logger.warning("No Liger kernels for model_type %r; the model is left as is.", model_type)
+        return
+    kwargs.pop("model", None)
+    apply_fn(model=model, **_accepted_kwargs(apply_fn, kwargs))

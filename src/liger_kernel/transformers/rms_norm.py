@@ -1,0 +1,88 @@
+"""``LigerRMSNorm``: drop-in replacement for Hugging Face RMSNorm layers (Llama, Gemma, ...).
+
+``casting_mode="llama"`` (default) reproduces ``LlamaRMSNorm``;
+``LigerRMSNorm(h, offset=1.0, casting_mode="gemma", init_fn="zeros")`` reproduces
+``GemmaRMSNorm``. The math and the in-place backward are documented in
+:mod:`liger_kernel.ops.rms_norm`. Needs only torch and triton.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+
+def norm_eps(module: nn.Module) -> float:
+    """The epsilon of a norm module: ``variance_epsilon`` (Llama style), else ``eps`` (Gemma style)."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(module, "eps", None)
+    if eps is None:
+        raise AttributeError(f"{type(module).__name__} has neither a 'variance_epsilon' nor an 'eps' attribute")
+    return eps
+
+
+def liger_rms_norm(X: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+                   casting_mode: str = "llama", in_place: bool = True) -> torch.Tensor:
+    """RMSNorm of ``X`` (..., H) over its last dim, times ``W + offset`` (W of shape (H,)).
+
+    See :mod:`liger_kernel.ops.rms_norm` for the casting modes and ``in_place``.
+    """
+    return LigerRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place)
+
+
+class LigerRMSNorm(nn.Module):
+    """RMSNorm over the last dimension: ``y = x / sqrt(mean(x^2) + eps) * (weight + offset)``.
+
+    Args:
+        hidden_size: size H of the last dimension; ``weight`` has shape (H,).
+        eps: added to the mean of squares; stored as ``variance_epsilon`` (alias ``eps``).
+        offset: added to the weight (1.0 for Gemma, whose weights are stored as w - 1).
+        casting_mode: ``"llama"``, ``"gemma"`` or ``"none"`` (see the ops module).
+        init_fn: ``"ones"`` or ``"zeros"``, the initial weight.
+        in_place: let backward overwrite the output gradient with the input gradient
+            (saves one N x H buffer; set False if that gradient is shared with another branch).
+
+    ``forward`` reads ``weight``, the eps (``variance_epsilon`` or ``eps``) and, with
+    defaults, ``offset``/``casting_mode``/``in_place`` from the instance, so it can also be
+    bound onto an HF norm module that has those attributes.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
+                 init_fn: str = "ones", in_place: bool = True, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if init_fn not in ("ones", "zeros"):
+            raise ValueError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
+        if casting_mode not in ("llama", "gemma", "none"):
+            raise ValueError(f"casting_mode must be one of 'gemma', 'llama', 'none', got {casting_mode!r}")
+        init = torch.ones if init_fn == "ones" else torch.zeros
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+        self.in_place = in_place
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self.variance_epsilon = value
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return LigerRMSNormFunction.apply(
+            hidden_states,
+            self.weight,
+            norm_eps(self),
+            getattr(self, "offset", 0.0),
+            getattr(self, "casting_mode", "llama"),
+            getattr(self, "in_place", True),
+        )
+
+    def extra_repr(self) -> str:
+        return (f"{tuple(self.weight.shape)}, eps={norm_eps(self)}, offset={getattr(self, 'offset', 0.0)}, "
+                f"casting_mode={getattr(self, 'casting_mode', 'llama')!r}, in_place={getattr(self, 'in_place', True)}")

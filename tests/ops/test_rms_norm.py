@@ -1,0 +1,244 @@
+"""LigerRMSNormFunction against the Hugging Face RMSNorm math (written out here, no transformers).
+
+References:
+* ``hf_rms_norm``: LlamaRMSNorm / GemmaRMSNorm exactly as HF computes them (fp32
+  statistics, the same casts), differentiated by autograd in the input dtype.
+* ``exact_rms_norm``: the same function in float64, the truth both are measured against.
+
+fp32 inputs are compared with float64 truth at fp32 tolerances. For bf16/fp16 the output
+is compared with HF's at ~2 output ulps (the rstd may differ in its last fp32 bit, which
+flips an occasional rounding), and our distance to the float64 truth must not exceed HF's
+own by more than 25%. (Under the Triton interpreter the kernels round fp32 -> bf16 by
+hand, because the interpreter's own conversion truncates; see ops/utils._row_norm_round.)
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+from liger_kernel.ops.utils import MAX_FUSED_BLOCK
+from tests.utils import DEVICE, assert_close, rel_error, shapes
+
+# (rows, hidden): odd widths, one row, a ragged last tile, and a row wider than
+# MAX_FUSED_BLOCK so the column-block loop runs on the CPU too.
+SHAPES = shapes(
+    small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (1, 1027), (3, 1027), (37, 1027),
+           (2, MAX_FUSED_BLOCK + 8)],
+    full=[(1007, 1), (1, 4231), (3, 4231), (1007, 123), (1007, 4231), (64, 4096), (4, 65536), (3, 65536 + 7)],
+)
+MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("llama", 0.5)]
+EPS = 1e-6
+# Our distance to float64 truth may exceed HF's own by this factor (see the module docstring).
+ERROR_FACTOR = 1.25
+
+
+def hf_rms_norm(x, w, eps, offset, casting_mode):
+    """RMSNorm as Hugging Face computes it (LlamaRMSNorm for "llama", GemmaRMSNorm for "gemma")."""
+    input_dtype = x.dtype
+    if casting_mode == "none":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.to(input_dtype))
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if casting_mode == "llama":
+        if offset == 0.0:
+            return w * h.to(input_dtype)  # LlamaRMSNorm.forward
+        out_dtype = torch.promote_types(w.dtype, input_dtype)
+        return ((w.float() + offset) * h.to(input_dtype).float()).to(out_dtype)
+    return (h * (offset + w.float())).type_as(x)  # GemmaRMSNorm.forward
+
+
+def exact_rms_norm(x, w, eps, offset):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w.double() + offset)
+
+
+def run(fn, x, w, dy, *args):
+    """(y, dx, dw) of ``fn(x, w, *args)`` with upstream gradient ``dy``."""
+    x = x.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    y = fn(x, w, *args)
+    y.backward(dy.to(y.dtype, copy=True))  # a copy: the in-place backward may overwrite it
+    return y.detach(), x.grad, w.grad
+
+
+def liger(x, w, eps, offset, mode, in_place=True):
+    return LigerRMSNormFunction.apply(x, w, eps, offset, mode, in_place)
+
+
+def make_inputs(n_rows, hidden, dtype, w_dtype=None, offset=0.0):
+    x = torch.randn(n_rows, hidden, device=DEVICE, dtype=dtype)
+    w = torch.randn(hidden, device=DEVICE, dtype=w_dtype or dtype) * 0.5 + (1.0 - offset)
+    dy = torch.randn(n_rows, hidden, device=DEVICE, dtype=torch.float32)
+    return x, w, dy
+
+
+@pytest.mark.parametrize("mode,offset", MODES)
+@pytest.mark.parametrize("n_rows,hidden", SHAPES)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fp32_matches_float64(n_rows, hidden, mode, offset, in_place):
+    x, w, dy = make_inputs(n_rows, hidden, torch.float32, offset=offset)
+    y, dx, dw = run(liger, x, w, dy, EPS, offset, mode, in_place)
+    y_ref, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, offset)
+    assert y.dtype == torch.float32
+    assert_close(y, y_ref, msg="y")
+    # dx sums over a row, dw over all rows: fp32 error grows with the reduction length.
+    assert_close(dx, dx_ref, scale=4, msg="dx")
+    assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")
+
+
+@pytest.mark.parametrize("mode,offset", MODES)
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, 1027), (2, MAX_FUSED_BLOCK + 8)],
+                                                  full=[(1007, 4231), (64, 4096)]))
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                           (torch.float16, torch.float16)])
+def test_low_precision_matches_hf(n_rows, hidden, mode, offset, dtype, w_dtype):
+    x, w, dy = make_inputs(n_rows, hidden, dtype, w_dtype, offset)
+    ours = run(liger, x, w, dy, EPS, offset, mode, False)
+    hf = run(hf_rms_norm, x, w, dy, EPS, offset, mode)
+    truth = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, offset)
+    # HF's own output dtype: promoted in llama mode (bf16 x, fp32 w -> fp32), x's otherwise.
+    assert ours[0].dtype == hf[0].dtype
+    assert ours[1].dtype == x.dtype and ours[2].dtype == w.dtype
+    assert_close(ours[0], hf[0], dtype=dtype, msg="y vs HF")
+    for name, a, h, t in zip(("y", "dx", "dw"), ours, hf, truth):
+        ours_err, hf_err = rel_error(a, t), rel_error(h, t)
+        assert ours_err <= ERROR_FACTOR * hf_err + 1e-6, f"{name}: error {ours_err:.3g} vs HF's {hf_err:.3g}"
+
+
+@pytest.mark.parametrize("mode,offset", MODES[:3])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_4d_non_contiguous(mode, offset, in_place):
+    """Qwen3-style q/k norm: (B, T, heads, head_dim) as a transposed, non-contiguous view."""
+    b, t, heads, head_dim = 2, 5, 3, 64
+    base = torch.randn(b, heads, t, head_dim, device=DEVICE)
+    x = base.transpose(1, 2)  # (B, T, heads, head_dim), not contiguous
+    assert not x.is_contiguous()
+    w = torch.randn(head_dim, device=DEVICE) * 0.5 + (1.0 - offset)
+    dy = torch.randn(b, t, heads, head_dim, device=DEVICE).transpose(1, 2).contiguous().transpose(1, 2)
+    y, dx, dw = run(liger, x, w, dy, EPS, offset, mode, in_place)
+    y_ref, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, offset)
+    assert y.shape == x.shape and dx.shape == x.shape
+    assert_close(y, y_ref, msg="y")
+    assert_close(dx, dx_ref, scale=4, msg="dx")
+    assert_close(dw, dw_ref, scale=4, msg="dw")
+
+
+def test_in_place_reuses_grad_output():
+    x = torch.randn(7, 123, device=DEVICE, requires_grad=True)
+    w = torch.randn(123, device=DEVICE, requires_grad=True)
+    dy = torch.randn(7, 123, device=DEVICE)
+    expected = run(liger, x, w, dy, EPS, 0.0, "llama", False)
+
+    for in_place in (True, False):
+        grad = dy.clone()
+        seen = {}
+
+        def keep(g, seen=seen):
+            seen["dx"] = g
+
+        xi = x.detach().clone().requires_grad_(True)
+        xi.register_hook(keep)
+        liger(xi, w, EPS, 0.0, "llama", in_place).backward(grad)
+        assert (seen["dx"].data_ptr() == grad.data_ptr()) == in_place
+        assert torch.equal(seen["dx"], expected[1])
+
+    # Not eligible (non-contiguous / different dtype from x): a fresh dx is allocated.
+    grad = torch.randn(123, 7, device=DEVICE).t()
+    xi = x.detach().clone().requires_grad_(True)
+    liger(xi, w, EPS, 0.0, "llama", True).backward(grad)
+    assert xi.grad.data_ptr() != grad.data_ptr()
+    assert_close(xi.grad, run(liger, x, w, grad.contiguous(), EPS, 0.0, "llama", False)[1])
+    xb = torch.randn(7, 123, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    y = liger(xb, w, EPS, 0.0, "llama", True)  # fp32 output (promoted), bf16 dx
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    assert xb.grad.dtype == torch.bfloat16 and xb.grad.data_ptr() != grad.data_ptr()
+
+
+@pytest.mark.parametrize("mode,offset", MODES[:3])
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, MAX_FUSED_BLOCK + 8)],
+                                                  full=[(4097, 4231), (33, 65536)]))
+def test_dw_deterministic(n_rows, hidden, mode, offset):
+    x, w, dy = make_inputs(n_rows, hidden, torch.bfloat16, offset=offset)
+    first = run(liger, x, w, dy, EPS, offset, mode, False)
+    second = run(liger, x, w, dy, EPS, offset, mode, False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("hidden", [1, 123, MAX_FUSED_BLOCK + 8])
+@pytest.mark.parametrize("mode,offset", MODES[:3])
+def test_zero_rows_are_finite(hidden, mode, offset):
+    x = torch.zeros(3, hidden, device=DEVICE)
+    w = torch.randn(hidden, device=DEVICE)
+    dy = torch.randn(3, hidden, device=DEVICE)
+    y, dx, dw = run(liger, x, w, dy, EPS, offset, mode, False)
+    assert torch.all(y == 0)
+    assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+    # rstd = 1/sqrt(eps), so dx = dy * (w + offset) / sqrt(eps) (xhat = 0).
+    assert_close(dx, dy * (w + offset) / EPS ** 0.5, msg="dx")
+    assert torch.all(dw == 0)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, MAX_FUSED_BLOCK + 8)])
+def test_empty_input(shape):
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    w = torch.randn(shape[-1], device=DEVICE, requires_grad=True)
+    y = liger(x, w, EPS, 0.0, "llama")
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+X_OK = torch.randn(2, 8, device=DEVICE)
+W_OK = torch.ones(8, device=DEVICE)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((X_OK, torch.ones(7, device=DEVICE)), ValueError, "last dimension"),
+    ((X_OK, torch.ones(2, 8, device=DEVICE)), ValueError, "W must be 1-D"),
+    ((torch.randn(2, 8, device=DEVICE, dtype=torch.float64), W_OK), TypeError, "X has dtype"),
+    ((X_OK, W_OK.to(torch.int32)), TypeError, "W has dtype"),
+    ((X_OK.tolist(), W_OK), TypeError, "X must be a torch.Tensor"),
+    ((torch.tensor(1.0, device=DEVICE), W_OK), ValueError, "last dimension"),
+    ((X_OK, W_OK, 1e-6, 0.0, "mistral"), ValueError, "casting_mode"),
+    ((X_OK, W_OK, 1e-6, 0.0, 1), TypeError, "casting_mode"),
+    ((X_OK, W_OK, "1e-6"), TypeError, "eps"),
+    ((X_OK, W_OK, -1.0), ValueError, "eps"),
+    ((X_OK, W_OK, 1e-6, None), TypeError, "offset"),
+    ((X_OK, W_OK, 1e-6, 0.0, "llama", 1), TypeError, "in_place"),
+])
+def test_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        LigerRMSNormFunction.apply(*args)
+
+
+def test_different_devices():
+    if DEVICE != "cuda":
+        pytest.skip("needs a CUDA device to put W elsewhere")
+    with pytest.raises(ValueError, match="device"):
+        LigerRMSNormFunction.apply(X_OK, W_OK.cpu())
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    hidden=st.integers(1, 300),
+    mode=st.sampled_from(["llama", "gemma", "none"]),
+    offset=st.sampled_from([0.0, 1.0, -0.25]),
+    in_place=st.booleans(),
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+)
+def test_property_fp32(lead, hidden, mode, offset, in_place, eps):
+    x = torch.randn(*lead, hidden, device=DEVICE)
+    w = torch.randn(hidden, device=DEVICE)
+    dy = torch.randn(*lead, hidden, device=DEVICE)
+    y, dx, dw = run(liger, x, w, dy, eps, offset, mode, in_place)
+    y_ref, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), eps, offset)
+    assert y.shape == x.shape
+    assert_close(y, y_ref, msg="y")
+    assert_close(dx, dx_ref, scale=4, msg="dx")
+    assert_close(dw, dw_ref, scale=4, msg="dw")

@@ -1,0 +1,249 @@
+"""Worker for the multi-process tests in ``test_distributed.py``; launched by ``torchrun``.
+
+Every rank trains a tiny Liger-patched Llama (built from a config, fixed seed) for a few
+SGD steps on its slice of one fixed global batch, under each requested wrapper, and rank 0
+writes what the tests compare into ``<out>/results.pt``:
+
+* ``losses``: the global loss of each step (the mean of the ranks' losses; every sequence
+  has the same number of counted tokens, so that is the global-batch mean);
+* ``grads``: the full (unsharded, rank-averaged) gradient of every parameter after the first
+  backward, by parameter name;
+* ``params``: the full parameters after the last step.
+
+Rank 0 also computes the single-process references on the whole global batch (scenario
+names ``single`` / ``single_tied`` for the patched model and ``hf`` / ``hf_tied`` for the
+unpatched one) after the distributed scenarios.
+
+Scenarios: ``ddp``, ``fsdp2`` (``fully_shard`` on each decoder layer, then the root),
+``fsdp2_lm_head`` (also on ``lm_head`` alone, so the fused loss meets a sharded DTensor
+weight), ``zero3`` (DeepSpeed ZeRO-3 parameter partitioning); each with ``_tied`` appended
+for tied input/output embeddings (not ``fsdp2_lm_head``: FSDP2 cannot shard one parameter
+in two groups).
+
+The launcher sets ``TRITON_INTERPRET=1`` (CPU) before this process imports triton, and
+``LIGER_DIST_DEVICE`` (``cpu`` with gloo, ``cuda`` with NCCL and one GPU per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 512
+HIDDEN = 32
+SEQ_LEN = 12
+GLOBAL_BATCH = 4
+IGNORED_PER_ROW = 3
+STEPS = 3
+LR = 0.5
+SEED = 1234
+
+
+def build_model(tied: bool, patched: bool, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN + 8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        use_cache=False,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(device)
+    # HF initialises weights with std 0.02: the loss starts at ~log(V) and barely moves in
+    # three steps. Larger weights make each step change the loss visibly, so a gradient that
+    # is wrong or missing on one rank shows in the later losses.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    if patched:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    model.train()
+    return model
+
+
+def global_batch(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GLOBAL_BATCH, SEQ_LEN) input ids and labels with IGNORED_PER_ROW ignored labels per row.
+
+    The ignored positions are among 1..SEQ_LEN-1 (HF drops label 0 when shifting), so every
+    row has the same number of counted tokens and the mean of per-rank mean losses equals
+    the mean over the global batch.
+    """
+    gen = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
+    labels = ids.clone()
+    for row in range(GLOBAL_BATCH):
+        cols = 1 + torch.randperm(SEQ_LEN - 1, generator=gen)[:IGNORED_PER_ROW]
+        labels[row, cols] = -100
+    return ids.to(device), labels.to(device)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().float().cpu().clone()
+
+
+def mean_over_ranks(loss: torch.Tensor, distributed: bool) -> float:
+    loss = loss.detach().clone()
+    if distributed:
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    return float(loss)
+
+
+def run_plain(model, ids, labels, distributed: bool = True) -> dict:
+    """Train ``model`` (wrapped by DDP/FSDP2, or alone in one process with ``distributed=False``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    inner = getattr(model, "module", model)
+    losses, grads = [], None
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(mean_over_ranks(loss, distributed))
+        if step == 0:
+            grads = {
+                name: (None if p.grad is None else full_tensor(p.grad)) for name, p in inner.named_parameters()
+            }
+        opt.step()
+    params = {name: full_tensor(p) for name, p in inner.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def run_ddp(tied: bool, device: str, ids, labels) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_model(tied, patched=True, device=device)
+    ddp = DistributedDataParallel(model, device_ids=None if device == "cpu" else [torch.device(device)])
+    return run_plain(ddp, ids, labels)
+
+
+def run_fsdp2(tied: bool, device: str, ids, labels, shard_lm_head: bool) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = build_model(tied, patched=True, device=device)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if shard_lm_head:
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    if not isinstance(model.lm_head.weight, DTensor):
+        raise AssertionError("fully_shard left lm_head.weight unsharded")
+    return run_plain(model, ids, labels)
+
+
+def run_zero3(tied: bool, device: str, ids, labels) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": ids.shape[0],
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            # Partition every parameter, however small, so lm_head.weight is a 0-size
+            # partition outside its module's forward as in a real model.
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+        },
+        "zero_allow_untested_optimizer": True,
+    }
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = build_model(tied, patched=True, device=device)
+    if model.lm_head.weight.numel() != 0:
+        raise AssertionError("ZeRO-3 left lm_head.weight unpartitioned")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    losses, grads = [], None
+    for step in range(STEPS):
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        losses.append(mean_over_ranks(loss, True))
+        if step == 0:
+            # safe_get_full_grad all-gathers: every rank calls it in the same order.
+            grads = {}
+            for name, p in model.named_parameters():
+                g = safe_get_full_grad(p)
+                grads[name] = None if g is None else g.detach().float().cpu().clone()
+        engine.step()
+    params = {name: safe_get_full_fp32_param(p).detach().float().cpu().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated scenario names")
+    parser.add_argument("--references", default="single,single_tied,hf,hf_tied")
+    args = parser.parse_args(argv)
+
+    device_type = os.environ.get("LIGER_DIST_DEVICE", "cpu")
+    if "zero3" in args.scenarios:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl")
+    else:
+        # A rank that fails alone leaves the other waiting in a collective: fail it soon.
+        dist.init_process_group("gloo" if device_type == "cpu" else "nccl", timeout=timedelta(seconds=180))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cpu"
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+
+    ids, labels = global_batch(device)
+    if GLOBAL_BATCH % world:
+        raise ValueError(f"world size {world} must divide the global batch {GLOBAL_BATCH}")
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    local_ids, local_labels = ids[rows], labels[rows]
+
+    runners: dict[str, Callable[[bool], dict]] = {
+        "ddp": lambda tied: run_ddp(tied, device, local_ids, local_labels),
+        "fsdp2": lambda tied: run_fsdp2(tied, device, local_ids, local_labels, shard_lm_head=False),
+        "fsdp2_lm_head": lambda tied: run_fsdp2(tied, device, local_ids, local_labels, shard_lm_head=True),
+        "zero3": lambda tied: run_zero3(tied, device, local_ids, local_labels),
+    }
+    results: dict[str, dict] = {}
+    for scenario in filter(None, args.scenarios.split(",")):
+        base, tied = scenario.removesuffix("_tied"), scenario.endswith("_tied")
+        try:
+            results[scenario] = runners[base](tied)
+        except Exception as exc:  # recorded per scenario so one failure does not hide the others
+            import traceback
+
+            results[scenario] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+            print(results[scenario]["error"], file=sys.stderr, flush=True)
+            # A rank that failed mid-collective leaves the group unusable: stop here.
+            break
+    dist.barrier()
+    if rank == 0:
+        for reference in filter(None, args.references.split(",")):
+            base, tied = reference.removesuffix("_tied"), reference.endswith("_tied")
+            model = build_model(tied, patched=base == "single", device=device)
+            results[reference] = run_plain(model, ids, labels, distributed=False)
+        torch.save(results, os.path.join(args.out, "results.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
