@@ -30,16 +30,20 @@ import datetime
 import gc
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 # The Triton interpreter must be chosen before triton is first imported (liger imports it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import device_name, versions  # noqa: E402
 
 # Agreement of the two loss curves: each loss is an fp32 mean over B*T tokens of values
 # computed from bf16 logits, and the variants differ only in bf16 rounding order (and in
@@ -294,20 +298,13 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
 
 
 def environment(device: torch.device) -> dict:
-    import transformers
-    import triton
-
     import liger_kernel
 
     return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
+        "gpu": device_name(device),
+        **versions(),
         "liger_kernel": liger_kernel.__version__,
-        "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
     }
 
 
@@ -350,9 +347,10 @@ def write_plot(path: str, results: list[VariantResult], env: dict, args) -> None
     peaks = [0.0 if math.isnan(r.peak_gib) else r.peak_gib for r in results]
     ax_mem.bar(names, peaks, color=bar_colors)
     ax_mem.set(ylabel="GiB", title="Peak memory (max_memory_allocated)" + (" - n/a on CPU" if all(math.isnan(r.peak_gib) for r in results) else ""))
-    for ax, values, fmt in ((ax_tps, [r.tokens_per_s for r in results], "{:,.0f}"), (ax_mem, peaks, "{:.1f}")):
+    for ax, values, fmt in ((ax_tps, [r.tokens_per_s for r in results], "{:,.0f}"),
+                            (ax_mem, [r.peak_gib for r in results], "{:.1f}")):
         for i, v in enumerate(values):
-            ax.text(i, v, fmt.format(v), ha="center", va="bottom")
+            ax.text(i, 0.0 if math.isnan(v) else v, "n/a" if math.isnan(v) else fmt.format(v), ha="center", va="bottom")
     fig.suptitle(f"{args.config}, batch {args.batch} x seq {args.seq}, {env['gpu']}; torch {env['torch']}, "
                  f"triton {env['triton']}, transformers {env['transformers']}")
     fig.tight_layout()

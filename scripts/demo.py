@@ -183,8 +183,9 @@ class RunResult:
 
 
 def make_callbacks(device: torch.device):
-    from transformers import TrainerCallback
     from transformers.trainer_callback import ProgressCallback
+
+    from transformers import TrainerCallback
 
     class StepRecorder(TrainerCallback):
         """Each step's logged loss and the wall time at the end of each step."""
@@ -218,8 +219,9 @@ def count_liger_patched_modules(model: torch.nn.Module) -> int:
 
 
 def train_once(name: str, model, train_set, eval_set, args, device: torch.device, use_liger: bool) -> RunResult:
-    from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import ProgressCallback
+
+    from transformers import Trainer, TrainingArguments
 
     recorder, progress_class = make_callbacks(device)
     with tempfile.TemporaryDirectory(prefix="liger_demo_") as output_dir:

@@ -18,7 +18,8 @@ Scenarios: ``ddp``, ``fsdp2`` (``fully_shard`` on each decoder layer, then the r
 ``fsdp2_lm_head`` (also on ``lm_head`` alone, so the fused loss meets a sharded DTensor
 weight), ``zero3`` (DeepSpeed ZeRO-3 parameter partitioning); each with ``_tied`` appended
 for tied input/output embeddings (not ``fsdp2_lm_head``: FSDP2 cannot shard one parameter
-in two groups).
+in two groups). ``tp_lm_head`` (a tensor-parallel ``lm_head``, which the fused loss does
+not support) records the error the forward raises instead of training.
 
 The launcher sets ``TRITON_INTERPRET=1`` (CPU) before this process imports triton, and
 ``LIGER_DIST_DEVICE`` (``cpu`` with gloo, ``cuda`` with NCCL and one GPU per rank).
@@ -150,6 +151,21 @@ def run_fsdp2(tied: bool, device: str, ids, labels, shard_lm_head: bool) -> dict
     return run_plain(model, ids, labels)
 
 
+def run_tp_lm_head(device: str, ids, labels) -> dict:
+    """Tensor-parallel lm_head: the fused loss must refuse it with a clear error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = build_model(False, patched=True, device=device)
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    parallelize_module(model.lm_head, mesh, ColwiseParallel())
+    try:
+        model(input_ids=ids, labels=labels)
+    except NotImplementedError as exc:
+        return {"raised": f"NotImplementedError: {exc}"}
+    return {"raised": None}
+
+
 def run_zero3(tied: bool, device: str, ids, labels) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -157,6 +173,9 @@ def run_zero3(tied: bool, device: str, ids, labels) -> dict:
     ds_config = {
         "train_micro_batch_size_per_gpu": ids.shape[0],
         "gradient_accumulation_steps": 1,
+        # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise; the
+        # reference does plain SGD.
+        "gradient_clipping": 0.0,
         "zero_optimization": {
             "stage": 3,
             # Partition every parameter, however small, so lm_head.weight is a 0-size
@@ -166,12 +185,13 @@ def run_zero3(tied: bool, device: str, ids, labels) -> dict:
         },
         "zero_allow_untested_optimizer": True,
     }
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = build_model(tied, patched=True, device=device)
-    if model.lm_head.weight.numel() != 0:
-        raise AssertionError("ZeRO-3 left lm_head.weight unpartitioned")
+    # Built outside deepspeed.zero.Init, so the initialisation is the reference's exactly;
+    # deepspeed.initialize then partitions every parameter.
+    model = build_model(tied, patched=True, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    if model.lm_head.weight.numel() != 0:
+        raise AssertionError("ZeRO-3 left lm_head.weight unpartitioned")
     losses, grads = [], None
     for step in range(STEPS):
         loss = engine(input_ids=ids, labels=labels).loss
@@ -196,6 +216,9 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     device_type = os.environ.get("LIGER_DIST_DEVICE", "cpu")
+    # Import the model code before any deepspeed.zero.Init context: Init patches tensor
+    # constructors, and torch._dynamo (imported by transformers) fails to import under it.
+    import transformers.models.llama.modeling_llama  # noqa: F401
     if "zero3" in args.scenarios:
         import deepspeed
 
@@ -221,6 +244,7 @@ def main(argv: list[str]) -> None:
         "fsdp2": lambda tied: run_fsdp2(tied, device, local_ids, local_labels, shard_lm_head=False),
         "fsdp2_lm_head": lambda tied: run_fsdp2(tied, device, local_ids, local_labels, shard_lm_head=True),
         "zero3": lambda tied: run_zero3(tied, device, local_ids, local_labels),
+        "tp_lm_head": lambda tied: run_tp_lm_head(device, local_ids, local_labels),
     }
     results: dict[str, dict] = {}
     for scenario in filter(None, args.scenarios.split(",")):

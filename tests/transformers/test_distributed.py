@@ -45,6 +45,7 @@ WORLD_SIZE = 2
 REL_TOL = 1e-5
 
 TORCH_SCENARIOS = ["ddp", "ddp_tied", "fsdp2", "fsdp2_tied", "fsdp2_lm_head"]
+REFUSED_SCENARIOS = ["tp_lm_head"]
 ZERO3_SCENARIOS = ["zero3", "zero3_tied"]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -80,7 +81,9 @@ def _launch(out_dir: Path, scenarios: list[str], references: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def torch_results(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory.mktemp("dist"), TORCH_SCENARIOS, ["single", "single_tied", "hf", "hf_tied"])
+    return _launch(
+        tmp_path_factory.mktemp("dist"), TORCH_SCENARIOS + REFUSED_SCENARIOS, ["single", "single_tied", "hf", "hf_tied"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,15 @@ def _check_against(result: dict, reference: dict, rel_tol: float, label: str) ->
 @pytest.mark.parametrize("scenario", TORCH_SCENARIOS)
 def test_two_ranks_match_one_process(torch_results: dict, scenario: str) -> None:
     _check_against(torch_results[scenario], torch_results[_reference_name(scenario)], REL_TOL, scenario)
+
+
+def test_tensor_parallel_lm_head_is_refused(torch_results: dict) -> None:
+    # ColwiseParallel keeps lm_head.weight a DTensor inside lm_head's forward: the fused loss
+    # cannot use it and must say so instead of failing inside a kernel.
+    result = torch_results["tp_lm_head"]
+    assert "error" not in result, result.get("error")
+    assert result["raised"] is not None, "the fused loss accepted a tensor-parallel lm_head"
+    assert "tensor-parallel" in result["raised"] and "fused_linear_cross_entropy=False" in result["raised"]
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.transformers.model_configs import MODEL_TYPES, build_model, random_batch
-from tests.utils import rel_error, shapes
+from tests.utils import DEVICE, rel_error, shapes
 
 pytest.importorskip("transformers")
 
@@ -31,7 +31,7 @@ FAMILIES = shapes(small=["llama", "qwen3"], full=[m for m in MODEL_TYPES if m no
 def _loss_and_grads(model_type: str, patched: bool, checkpointing: bool, use_reentrant: bool, batch: dict):
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    model = build_model(model_type, seed=0, use_cache=False)
+    model = build_model(model_type, seed=0, use_cache=False).to(DEVICE)
     if patched:
         _apply_liger_kernel_to_instance(model=model)
     if checkpointing:
@@ -47,7 +47,7 @@ def _loss_and_grads(model_type: str, patched: bool, checkpointing: bool, use_ree
 @pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_gradient_checkpointing_same_gradients(model_type: str, use_reentrant: bool) -> None:
-    batch = random_batch(1024, batch=2, seq=12)
+    batch = random_batch(1024, batch=2, seq=12, device=DEVICE)
     hf_loss, hf_grads = _loss_and_grads(model_type, False, False, use_reentrant, batch)
     loss, grads = _loss_and_grads(model_type, True, False, use_reentrant, batch)
     ckpt_loss, ckpt_grads = _loss_and_grads(model_type, True, True, use_reentrant, batch)

@@ -31,7 +31,7 @@ The kernels are the row-normalisation kernels shared with RMSNorm
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple  # Optional, not "X | None", in custom-op schemas for older torch
 
 import torch
 
@@ -80,7 +80,7 @@ def _launch_args(launch):
 
 
 @liger_custom_op("layer_norm_forward")
-def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045
                        eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Returns ``(y, mean, rstd)``: y like x, mean/rstd (N,) fp32."""
     rows = as_rows(x)
@@ -109,7 +109,7 @@ def _layer_norm_forward_fake(x, weight, bias, eps):
 
 @liger_custom_op("layer_norm_backward")
 def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                        bias: Optional[torch.Tensor], mean: torch.Tensor,
+                        bias: Optional[torch.Tensor], mean: torch.Tensor,  # noqa: UP045
                         rstd: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernel. Returns ``(grad_x, grad_weight, grad_bias)``.
 
@@ -153,7 +153,7 @@ class LigerLayerNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, X: torch.Tensor, W: torch.Tensor, B: Optional[torch.Tensor],
+    def forward(ctx, X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None,
                 eps: float = 1e-6) -> torch.Tensor:
         check_layer_norm_args(X, W, B, eps)
         y, mean, rstd = layer_norm_forward(X, W, B, float(eps))

@@ -297,7 +297,9 @@ def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offse
     if HAS_BIAS:
         y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_dtype = Y_ptrs.dtype.element_ty
-    tl.store(Y_ptrs, _row_norm_round(y, out_dtype, ROUND_BY_HAND).to(out_dtype), mask=mask)
+    if ROUND_BY_HAND:
+        y = _row_norm_round(y, out_dtype, ROUND_BY_HAND)
+    tl.store(Y_ptrs, y.to(out_dtype), mask=mask)
 
 
 @triton.jit
@@ -433,8 +435,9 @@ def row_norm_backward_kernel(
             if CENTER:
                 dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
             dx = dx * rstd[:, None]
-            tl.store(DX + rows64[:, None] * dx_row_stride + cols[None, :],
-                     _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND).to(DX.dtype.element_ty), mask=mask)
+            if ROUND_BY_HAND:
+                dx = _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND)
+            tl.store(DX + rows64[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             dw_acc += tl.sum(dy * xhat_w, axis=0)
             if HAS_BIAS:
                 db_acc += tl.sum(dy, axis=0)
@@ -482,8 +485,9 @@ def row_norm_backward_kernel(
                 if CENTER:
                     dx -= g_mean[:, None]
                 dx = dx * rstd[:, None]
-                tl.store(dx_rows + cols[None, :],
-                         _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND).to(DX.dtype.element_ty), mask=mask)
+                if ROUND_BY_HAND:
+                    dx = _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND)
+                tl.store(dx_rows + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
                 dw_ptrs = DW_PARTIAL + partial_row + cols
                 dw_prev = tl.where(first, 0.0, tl.load(dw_ptrs, mask=col_mask, other=0.0))
                 tl.store(dw_ptrs, dw_prev + tl.sum(dy * xhat_w, axis=0), mask=col_mask)

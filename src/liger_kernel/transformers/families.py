@@ -31,7 +31,8 @@ from dataclasses import dataclass
 # Activation names (values of ``config.hidden_act`` / ``hidden_activation``) for which each
 # Liger gated activation reproduces the HF MLP exactly.
 SILU_ACTIVATIONS = ("silu", "swish")
-GELU_TANH_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast_tanh", "gelu_tanh")
+# All three are 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), HF just computes them differently.
+GELU_TANH_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new")
 
 
 @dataclass(frozen=True)

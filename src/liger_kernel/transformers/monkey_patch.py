@@ -8,8 +8,9 @@ of them are generated from that table and run the same code below.
 Two modes:
 
 * ``model=None`` (class level) replaces names in the family's modeling module, so models
-  built afterwards use the kernels: the RMSNorm class, the MLP class (or, for fused experts,
-  the experts class with only its activation replaced), the module-level rotary function, the
+  built afterwards use the kernels: the RMSNorm class, the MLP class (fused experts keep their
+  class, whose ``forward``/``_apply_gate`` are replaced so that only the activation changes:
+  HF's ``_init_weights`` tests ``isinstance`` against that class), the module-level rotary function, the
   ``*ForCausalLM.forward`` (fused linear cross entropy, :mod:`causal_lm`) and, with
   ``cross_entropy=True``, the class's ``loss_function``. Everything replaced is recorded and
   :func:`revert_liger_kernel` / :func:`liger_kernel_patched` put the originals back.
@@ -172,13 +173,18 @@ def _liger_mlp_base(family: ModelFamily) -> type:
 
 
 def liger_apply_gate(self: nn.Module, gate_up_out: Any) -> Any:
-    """``silu(gate) * up`` of a fused (..., 2I) gate-up projection (gate first), with the Liger kernel.
+    """``act(gate) * up`` of a fused (..., 2I) gate-up projection (gate first).
 
-    Replaces HF's ``_apply_gate`` of fused-expert modules (``use_experts_implementation``).
+    Replaces HF's ``_apply_gate`` of fused-expert modules (``use_experts_implementation``):
+    with a SiLU activation the product runs as the Liger SiLU-mul kernel, any other
+    activation keeps HF's formula (the class-level patch cannot see the config beforehand).
     """
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    family = FAMILIES.get(getattr(self.config, "model_type", None))
+    if family is None or not _activation_supported(self.config, family):
+        return self.act_fn(gate) * up
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    gate, up = gate_up_out.chunk(2, dim=-1)
     return LigerSiLUMulFunction.apply(gate, up)
 
 
@@ -222,19 +228,13 @@ def liger_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any,
 
 @functools.lru_cache(maxsize=None)
 def _liger_mlp_class(model_type: str, hf_class: type) -> type:
-    """The class replacing the family's MLP (or experts) class in its modeling module.
+    """The class replacing the family's MLP class in its modeling module.
 
     Built from ``config`` like the HF class. For a config whose activation the kernel does not
     reproduce, construction returns the HF class instead (``__new__``), so patching never
     changes the math of such a model.
     """
     family = FAMILIES[model_type]
-    if family.mlp.kind == "experts":
-        base = hf_class
-        namespace: dict[str, Any] = {"forward": liger_experts_forward, "_apply_gate": liger_apply_gate}
-    else:
-        base = _liger_mlp_base(family)
-        namespace = {}
 
     def __new__(cls, config: Any, *args: Any, **kwargs: Any):
         if not _activation_supported(config, family):
@@ -243,8 +243,8 @@ def _liger_mlp_class(model_type: str, hf_class: type) -> type:
         return nn.Module.__new__(cls)
 
     name = f"Liger{family.mlp.class_name}"
-    namespace.update(__new__=__new__, __module__=__name__, __qualname__=name)
-    return type(name, (base,), namespace)
+    namespace = {"__new__": __new__, "__module__": __name__, "__qualname__": name}
+    return type(name, (_liger_mlp_base(family),), namespace)
 
 
 # ----------------------------------------------------------------------------------------
@@ -432,7 +432,13 @@ def _patch_classes(
         _set_patched(mt, modeling, family.rotary_fn, liger_rotary_pos_emb)
     if rms_norm:
         _set_patched(mt, modeling, family.norm.class_name, _liger_norm_class(mt))
-    if gated_mlp:
+    if gated_mlp and family.mlp.kind == "experts":
+        # Patched on the class itself, not by a subclass: HF's _init_weights tests
+        # isinstance(module, <ExpertsClass>) against the module-level name.
+        experts = getattr(modeling, family.mlp.class_name)
+        _set_patched(mt, experts, "forward", liger_experts_forward)
+        _set_patched(mt, experts, "_apply_gate", liger_apply_gate)
+    elif gated_mlp:
         hf_class = _original(mt, modeling, family.mlp.class_name)
         _set_patched(mt, modeling, family.mlp.class_name, _liger_mlp_class(mt, hf_class))
     causal_lm = getattr(modeling, family.causal_lm_class)

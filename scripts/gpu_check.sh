@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# One call on a GPU machine checks everything and leaves few files in OUT_DIR:
+#   env.txt    nvidia-smi, versions, how liger_kernel was made importable
+#   tests.log  junit.xml   the whole test suite with the full (GPU) shape set
+#   bench.csv  bench.png   python -m benchmarks (every op, provider and mode)
+#   bench.log              its table and targets, then benchmarks/e2e_training.py's output
+#   (e2e_training.py writes its own CSV/PNG into OUT_DIR when it exists)
+# A failing stage is recorded and the next one still runs; a summary is printed last.
+#
+# Usage: scripts/gpu_check.sh OUT_DIR
+# Environment:
+#   GPU_CHECK_TESTS=0|1 (1)   GPU_CHECK_BENCH=0|1 (1)   GPU_CHECK_E2E=0|1 (1)
+#   PYTEST_ARGS   extra pytest arguments, e.g. "-x" or "-k rms_norm"
+#   BENCH_ARGS    extra arguments for python -m benchmarks, e.g. "--quick --ops rope"
+#   E2E_ARGS      extra arguments for benchmarks/e2e_training.py
+#   GPU_CHECK_INSTALL=0|1 (1)  pip install --no-deps --no-build-isolation -e . first (so
+#                 transformers' is_liger_kernel_available() sees the package); PYTHONPATH=src
+#                 is set either way, and is all there is when the install fails
+#   GPU_CHECK_BUDGET_S (570)  wall-clock seconds for the whole script: every stage runs
+#                 under `timeout` so the script ends (and prints its summary) in time;
+#                 the benchmarks get --max-seconds so they stop starting cases and still
+#                 write their table. With all stages on, later stages get a reserve
+#                 (bench 330 s, e2e 150 s); run stages in separate calls for more room.
+set -u
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+root=$(pwd)
+PY=${PY:-python3}
+run_tests=${GPU_CHECK_TESTS:-1}
+run_bench=${GPU_CHECK_BENCH:-1}
+run_e2e=${GPU_CHECK_E2E:-1}
+budget=${GPU_CHECK_BUDGET_S:-570}
+e2e_script=benchmarks/e2e_training.py
+[ -f "$e2e_script" ] || run_e2e=0
+started=$SECONDS
+
+remaining() { echo $((budget - (SECONDS - started))); }
+
+# Seconds a stage may take: what is left, minus the reserve of the stages after it.
+stage_seconds() {
+  local reserve=0
+  case "$1" in
+    tests) [ "$run_bench" = 1 ] && reserve=$((reserve + 330)); [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)) ;;
+    bench) [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)) ;;
+  esac
+  local s=$(($(remaining) - reserve - 10))
+  [ "$s" -lt 30 ] && s=30
+  echo "$s"
+}
+
+# `timeout -s INT` lets pytest and python finish their reports on the way out.
+with_timeout() {
+  local seconds=$1
+  shift
+  if command -v timeout >/dev/null 2>&1; then
+    timeout -s INT -k 20 "$seconds" "$@"
+  else
+    "$@"
+  fi
+}
+
+# ---------------------------------------------------------------- environment, install
+{
+  echo "# gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
+  echo "# checkout: $root ($(git rev-parse --short HEAD 2>/dev/null || echo 'no git'))"
+  uname -a
+  echo
+  nvidia-smi 2>&1 || echo "nvidia-smi not available"
+  echo
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit \
+    --format=csv 2>&1 || true
+  echo
+  "$PY" --version 2>&1
+  "$PY" -m pip list 2>/dev/null | grep -i -E '^(torch|triton|transformers|accelerate|peft|pytest|hypothesis|matplotlib|numpy|setuptools) ' || true
+  "$PY" - <<'EOF' 2>&1
+import importlib.metadata as m
+import platform
+
+import torch
+
+
+def dist(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return "not installed"
+
+
+print(f"versions: python {platform.python_version()}, torch {torch.__version__} (cuda {torch.version.cuda}), "
+      f"triton {dist('triton')}, transformers {dist('transformers')}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device 0: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, cc {p.major}.{p.minor}")
+else:
+    print("CUDA not available")
+EOF
+  echo
+  echo "# install: pip install --no-deps --no-build-isolation -e . (so transformers sees liger_kernel installed)"
+} >"$out/env.txt" 2>&1
+
+if [ "${GPU_CHECK_INSTALL:-1}" != 1 ]; then
+  install="not installed (GPU_CHECK_INSTALL=0); using PYTHONPATH=src"
+elif "$PY" -m pip install --no-deps --no-build-isolation -e . >>"$out/env.txt" 2>&1; then
+  install="editable install"
+else
+  install="editable install failed; using PYTHONPATH=src only"
+fi
+# src first either way, so this checkout's code is what runs.
+export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}"
+{
+  echo "# $install"
+  "$PY" -c "import liger_kernel, importlib.metadata as m
+print('liger_kernel', liger_kernel.__version__, 'from', liger_kernel.__file__)
+try:
+    print('distribution liger-kernel', m.version('liger-kernel'))
+except m.PackageNotFoundError:
+    print('distribution liger-kernel not installed (transformers will not see it)')" 2>&1
+} >>"$out/env.txt"
+
+status=0
+tests_rc=skipped bench_rc=skipped e2e_rc=skipped
+
+# ---------------------------------------------------------------- tests
+if [ "$run_tests" = 1 ]; then
+  secs=$(stage_seconds tests)
+  echo "== tests (full shapes, up to ${secs}s) ==" >&2
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+  LIGER_TEST_SHAPES=full with_timeout "$secs" "$PY" -m pytest tests -q -ra -p no:cacheprovider \
+    --junitxml="$out/junit.xml" ${PYTEST_ARGS:-} >"$out/tests.log" 2>&1
+  tests_rc=$?
+  [ "$tests_rc" = 0 ] || status=1
+fi
+
+# ---------------------------------------------------------------- kernel benchmarks
+if [ "$run_bench" = 1 ]; then
+  secs=$(stage_seconds bench)
+  echo "== benchmarks (up to ${secs}s) ==" >&2
+  # shellcheck disable=SC2086
+  with_timeout "$secs" "$PY" -m benchmarks --out "$out" --max-seconds $((secs - 60 > 30 ? secs - 60 : 30)) \
+    ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
+  bench_rc=$?
+  [ "$bench_rc" = 0 ] || status=1
+fi
+
+# ---------------------------------------------------------------- end-to-end training
+if [ "$run_e2e" = 1 ]; then
+  secs=$(stage_seconds e2e)
+  echo "== e2e training (up to ${secs}s) ==" >&2
+  {
+    echo
+    echo "=== $e2e_script ==="
+  } >>"$out/bench.log"
+  # shellcheck disable=SC2086
+  with_timeout "$secs" "$PY" "$e2e_script" --out "$out" ${E2E_ARGS:-} >>"$out/bench.log" 2>&1
+  e2e_rc=$?
+  [ "$e2e_rc" = 0 ] || status=1
+fi
+
+# ---------------------------------------------------------------- summary
+echo
+echo "================ gpu_check summary ($((SECONDS - started)) s) ================"
+grep -m1 -E '^device 0:' "$out/env.txt" || echo "no CUDA device"
+grep -m1 -E '^versions: ' "$out/env.txt"
+echo "liger_kernel: $install"
+echo "tests: exit $tests_rc"
+if [ -f "$out/junit.xml" ]; then
+  "$PY" - "$out/junit.xml" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+seconds = sum(float(s.get("time", 0)) for s in suites)
+print(f"  {total['tests']} tests, {total['failures']} failed, {total['errors']} errors, "
+      f"{total['skipped']} skipped, {seconds:.0f} s")
+bad = [c for s in suites for c in s.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
+for c in bad[:15]:
+    print(f"  FAILED {c.get('classname')}::{c.get('name')}")
+if len(bad) > 15:
+    print(f"  ... and {len(bad) - 15} more (tests.log)")
+EOF
+elif [ "$run_tests" = 1 ]; then
+  tail -5 "$out/tests.log"
+fi
+echo "benchmarks: exit $bench_rc"
+if [ "$run_bench" = 1 ]; then
+  if grep -q '^=== targets' "$out/bench.log"; then
+    grep -E 'TB/s' "$out/bench.log" | tail -1
+    sed -n '/^=== targets/,/^targets met:/p' "$out/bench.log"
+    grep -E '^  ERROR ' "$out/bench.log" | head -5
+  else
+    echo "  no targets table (crashed or timed out); last lines of bench.log:"
+    tail -15 "$out/bench.log"
+  fi
+fi
+echo "e2e: exit $e2e_rc"
+if [ "$run_e2e" = 1 ]; then
+  awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" | tail -15
+fi
+n_files=$(find "$out" -type f | wc -l)
+echo "files in $out ($n_files):" $(cd "$out" && ls)
+[ "$n_files" -le 8 ] || echo "WARNING: more than 8 files; the device tool returns at most 8"
+exit $status

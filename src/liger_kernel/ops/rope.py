@@ -1,0 +1,332 @@
+"""Rotary position embedding (RoPE) of q and k in one Triton pass each way.
+
+Matches Hugging Face's ``apply_rotary_pos_emb`` (rotate-half convention, as in Llama,
+Mistral, Qwen, Gemma and Phi-3)::
+
+    rotate_half(x) = cat(-x2, x1)          x1 = x[..., :R/2], x2 = x[..., R/2:R]
+    q_embed = q * cos + rotate_half(q) * sin
+
+Shapes. With ``unsqueeze_dim=1`` q is (B, Hq, T, D) and k is (B, Hk, T, D) (Hq != Hk for
+grouped-query attention); with ``unsqueeze_dim=2`` they are (B, T, Hq, D) / (B, T, Hk, D).
+``cos`` and ``sin`` are (Bc, T, R) with Bc in {1, B} (a (T, R) table counts as Bc = 1),
+broadcast over the heads. q and k may have any strides with a unit-stride last dimension -
+transposed views of (B, T, H, D) projections and slices of a fused qkv projection (Phi-3)
+are read in place; all four strides go to the kernel.
+
+Partial rotary (``R < D``, Phi-3's ``partial_rotary_factor``): as HF's Phi-3 code, the first
+R channels are rotated (rotate_half over those R channels, halves of R/2) and channels
+R..D-1 are passed through unchanged. R must be even.
+
+Forward, per position (b, t), every head h, c < R/2, in fp32::
+
+    y1 = x1 * cos1 - x2 * sin1         (cos1 = cos[..., :R/2], cos2 = cos[..., R/2:R], same for sin)
+    y2 = x2 * cos2 + x1 * sin2
+    y_pass = x_pass
+
+Backward is the transpose of that linear map, dx = dy * cos + rotate_half^T(dy * sin) with
+rotate_half^T(z) = cat(z2, -z1), i.e. the rotation by -theta::
+
+    dx1 = dy1 * cos1 + dy2 * sin2
+    dx2 = dy2 * cos2 - dy1 * sin1
+    dx_pass = dy_pass
+
+which is the forward with ``(sin1, sin2)`` replaced by ``(-sin2, -sin1)``: one kernel with an
+``INVERSE`` constexpr serves both directions. ``cos``/``sin`` get no gradient (HF computes
+them under ``no_grad``); passing ones that require grad raises.
+
+One program handles BLOCK_T consecutive positions of one batch row: it loads cos/sin for
+those positions once and applies them to every q head and every k head. Math is fp32, each
+output rounded once to its input's dtype (HF rounds each product and the sum to the input
+dtype; with the usual ``cos``/``sin`` already in that dtype HF's output dtype is the same).
+Outputs and gradients are fresh tensors laid out like the corresponding input (same order
+of dimensions in memory), so views/transposes around the call stay free.
+"""
+
+import itertools
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_kernel.ops.utils import (
+    MAX_BLOCK,
+    _row_norm_round,
+    cdiv,
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+    ensure_contiguous_last_dim,
+    is_interpreter,
+    liger_custom_op,
+    row_launch_settings,
+)
+
+# ---- Tunables (change after GPU measurements) ----
+# Elements of one half-tile (positions x heads x R/2) a program processes per step; the
+# number of positions per program, BLOCK_T, is derived from it.
+ROPE_TILE_ELEMENTS = 4096
+ROPE_MAX_BLOCK_HEADS = 64
+
+
+@triton.jit
+def _rope_store(ptrs, y, mask, ROUND_BY_HAND: tl.constexpr):
+    dtype = ptrs.dtype.element_ty
+    if ROUND_BY_HAND:  # the interpreter truncates fp32 -> bf16; round as the GPU does
+        y = _row_norm_round(y, dtype, True)
+    tl.store(ptrs, y.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_heads(X, Y, b, t, t_mask, n_heads, x_sb, x_sh, x_st, y_sb, y_sh, y_st,
+                cos1, cos2, sin1, sin2,
+                HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """Rotate every head of X at positions (b, t) into Y; cos/sin are (BLOCK_T, BLOCK_HALF) fp32."""
+    half = tl.arange(0, BLOCK_HALF)[None, None, :]
+    half_mask = half < ROT_HALF
+    x_bt = X + b * x_sb + t[:, None, None] * x_st
+    y_bt = Y + b * y_sb + t[:, None, None] * y_st
+    c1 = cos1[:, None, :]
+    c2 = cos2[:, None, :]
+    s1 = sin1[:, None, :]
+    s2 = sin2[:, None, :]
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h64 = h.to(tl.int64)[None, :, None]
+        row_mask = t_mask[:, None, None] & (h < n_heads)[None, :, None]
+        mask = row_mask & half_mask
+        x_ptrs = x_bt + h64 * x_sh + half
+        y_ptrs = y_bt + h64 * y_sh + half
+        x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptrs + ROT_HALF, mask=mask, other=0.0).to(tl.float32)
+        _rope_store(y_ptrs, x1 * c1 - x2 * s1, mask, ROUND_BY_HAND)
+        _rope_store(y_ptrs + ROT_HALF, x2 * c2 + x1 * s2, mask, ROUND_BY_HAND)
+        if HEAD_DIM > 2 * ROT_HALF:
+            # Partial rotary: the channels past R are copied through unchanged.
+            rest = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
+            rest_mask = row_mask & (rest < HEAD_DIM)
+            x_rest = tl.load(x_bt + h64 * x_sh + rest, mask=rest_mask, other=0.0)
+            tl.store(y_bt + h64 * y_sh + rest, x_rest.to(Y.dtype.element_ty), mask=rest_mask)
+
+
+@triton.jit
+def rope_kernel(
+    Q, K, Q_OUT, K_OUT, COS, SIN,
+    seq_len, n_q_heads, n_k_heads,
+    q_sb, q_sh, q_st, k_sb, k_sh, k_st,
+    qo_sb, qo_sh, qo_st, ko_sb, ko_sh, ko_st,
+    cos_sb, cos_st, sin_sb, sin_st,
+    HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, INVERSE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+):
+    """One program per (batch row, block of BLOCK_T positions): q heads then k heads.
+
+    Strides are in elements, (batch, head, position); the last dimension is unit-stride.
+    A cos/sin stride of 0 broadcasts (Bc == 1 or a single position).
+    """
+    pid = tl.program_id(0)
+    n_t_blocks = tl.cdiv(seq_len, BLOCK_T)
+    b = (pid // n_t_blocks).to(tl.int64)
+    t = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < seq_len
+    t = t.to(tl.int64)
+    half = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_mask = t_mask[:, None] & (half < ROT_HALF)
+    cos_ptrs = COS + b * cos_sb + t[:, None] * cos_st + half
+    sin_ptrs = SIN + b * sin_sb + t[:, None] * sin_st + half
+    cos1 = tl.load(cos_ptrs, mask=cs_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptrs + ROT_HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptrs, mask=cs_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptrs + ROT_HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    if INVERSE:
+        # The transposed rotation: (sin1, sin2) -> (-sin2, -sin1); see the module docstring.
+        sin1, sin2 = -sin2, -sin1
+    _rope_heads(Q, Q_OUT, b, t, t_mask, n_q_heads, q_sb, q_sh, q_st, qo_sb, qo_sh, qo_st,
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+    _rope_heads(K, K_OUT, b, t, t_mask, n_k_heads, k_sb, k_sh, k_st, ko_sb, ko_sh, ko_st,
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+
+
+# --------------------------------------------------------------------------------------
+# Layout helpers. Tensors reaching the launchers are in the canonical (B, H, T, D) view.
+# --------------------------------------------------------------------------------------
+
+# Orders of the (B, H, T) dims in memory, outermost first; D is always innermost.
+_DIM_ORDERS = tuple(itertools.permutations(range(3)))
+
+
+def memory_order(x: torch.Tensor) -> int:
+    """Index into ``_DIM_ORDERS`` of the order of x's first three dims by decreasing stride.
+
+    Size-1 dims (whose strides are arbitrary and do not affect the layout) go innermost.
+    """
+    order = tuple(sorted(range(3), key=lambda d: (-x.stride(d) if x.shape[d] > 1 else 1, d)))
+    return _DIM_ORDERS.index(order)
+
+
+def empty_in_order(shape: Tuple[int, ...], order: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A dense tensor of ``shape`` (B, H, T, D) whose first three dims sit in memory as ``order``."""
+    perm = list(_DIM_ORDERS[order]) + [3]
+    storage = torch.empty([shape[d] for d in perm], dtype=dtype, device=device)
+    inverse = [perm.index(d) for d in range(4)]
+    return storage.permute(inverse)
+
+
+def _table_strides(table: torch.Tensor) -> Tuple[int, int]:
+    """(batch, position) strides of a (Bc, Tc, R) cos/sin table, 0 where it broadcasts."""
+    return (table.stride(0) if table.shape[0] > 1 else 0, table.stride(1) if table.shape[1] > 1 else 0)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
+            k_out: torch.Tensor, inverse: bool) -> None:
+    batch, n_q_heads, seq_len, head_dim = q.shape
+    n_k_heads = k.shape[1]
+    rot_half = cos.shape[-1] // 2
+    if batch == 0 or seq_len == 0 or head_dim == 0 or (n_q_heads == 0 and n_k_heads == 0):
+        return
+    block_half = triton.next_power_of_2(rot_half)
+    block_pass = triton.next_power_of_2(max(head_dim - 2 * rot_half, 1))
+    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), ROPE_MAX_BLOCK_HEADS)
+    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), ROPE_MAX_BLOCK_HEADS)
+    per_position = max(block_hq, block_hk) * block_half
+    block_t = min(max(1, ROPE_TILE_ELEMENTS // per_position), triton.next_power_of_2(seq_len))
+    _, num_warps = row_launch_settings(block_t * per_position, max_block=MAX_BLOCK)
+    cos_sb, cos_st = _table_strides(cos)
+    sin_sb, sin_st = _table_strides(sin)
+    grid = (batch * cdiv(seq_len, block_t),)
+    rope_kernel[grid](
+        q, k, q_out, k_out, cos, sin,
+        seq_len, n_q_heads, n_k_heads,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        cos_sb, cos_st, sin_sb, sin_st,
+        HEAD_DIM=head_dim, ROT_HALF=rot_half, INVERSE=inverse,
+        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        BLOCK_HALF=block_half, BLOCK_PASS=block_pass, ROUND_BY_HAND=is_interpreter(),
+        num_warps=num_warps,
+    )
+
+
+def _rope_launcher(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
+                   k_order: int, inverse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    q, k = ensure_contiguous_last_dim(q), ensure_contiguous_last_dim(k)
+    cos, sin = ensure_contiguous_last_dim(cos), ensure_contiguous_last_dim(sin)
+    q_out = empty_in_order(tuple(q.shape), q_order, q.dtype, q.device)
+    k_out = empty_in_order(tuple(k.shape), k_order, k.dtype, k.device)
+    _launch(q, k, cos, sin, q_out, k_out, inverse)
+    return q_out, k_out
+
+
+@liger_custom_op("rope_forward")
+def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
+                 k_order: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate canonical (B, H, T, D) q and k by (Bc, Tc, R) cos/sin; outputs laid out by the orders."""
+    return _rope_launcher(q, k, cos, sin, q_order, k_order, False)
+
+
+@rope_forward.register_fake
+def _rope_forward_fake(q, k, cos, sin, q_order, k_order):
+    return (empty_in_order(tuple(q.shape), q_order, q.dtype, q.device),
+            empty_in_order(tuple(k.shape), k_order, k.dtype, k.device))
+
+
+@liger_custom_op("rope_backward")
+def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
+                  k_order: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of q and k: the inverse rotation of the output gradients."""
+    return _rope_launcher(grad_q, grad_k, cos, sin, q_order, k_order, True)
+
+
+@rope_backward.register_fake
+def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order):
+    return (empty_in_order(tuple(grad_q.shape), q_order, grad_q.dtype, grad_q.device),
+            empty_in_order(tuple(grad_k.shape), k_order, grad_k.dtype, grad_k.device))
+
+
+# --------------------------------------------------------------------------------------
+# Argument checks and canonicalisation.
+# --------------------------------------------------------------------------------------
+
+
+def _as_table(x: torch.Tensor, name: str, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    if x.dim() == 2:
+        # A (max_positions, R) table: gathered by position_ids when given, else (T, R).
+        x = x[position_ids] if position_ids is not None else x.unsqueeze(0)
+    if x.dim() != 3:
+        raise ValueError(f"{name} must have shape (T, R), (1, T, R) or (B, T, R), got {tuple(x.shape)}")
+    return x
+
+
+def canonicalize_rope_args(q: object, k: object, cos: object, sin: object, position_ids: object,
+                           unsqueeze_dim: object) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate the arguments; return q, k as (B, H, T, D) views and cos, sin as (Bc, Tc, R).
+
+    Raises ``TypeError``/``ValueError`` naming the offending argument.
+    """
+    for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_tensor(x, name)
+        check_float_dtype(x, name)
+    if position_ids is not None:
+        check_tensor(position_ids, "position_ids")
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 (q/k as (B, H, T, D)) or 2 (as (B, T, H, D)), got {unsqueeze_dim!r}")
+    if q.dim() != 4 or k.dim() != 4:
+        layout = "(B, H, T, D)" if unsqueeze_dim == 1 else "(B, T, H, D)"
+        raise ValueError(f"q and k must be 4-D {layout}, got q: {tuple(q.shape)}, k: {tuple(k.shape)}")
+    check_same_device([("q", q), ("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)])
+    if cos.requires_grad or sin.requires_grad:
+        if torch.is_grad_enabled():
+            raise ValueError("cos and sin must not require grad: the Liger RoPE kernel treats them as constants")
+    if unsqueeze_dim == 2:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    batch, _, seq_len, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(f"q and k must agree in batch, sequence length and head dim, got q: {tuple(q.shape)}, "
+                         f"k: {tuple(k.shape)} (as (B, H, T, D))")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got cos: {tuple(cos.shape)}, sin: {tuple(sin.shape)}")
+    cos, sin = _as_table(cos, "cos", position_ids), _as_table(sin, "sin", position_ids)
+    rot_dim = cos.shape[-1]
+    if (cos.shape[0] not in (1, batch) or cos.shape[1] not in (1, seq_len) or rot_dim % 2 != 0
+            or not 2 <= rot_dim <= head_dim):
+        raise ValueError(
+            f"cos/sin of shape {tuple(cos.shape)} do not broadcast to q/k of (B, H, T, D) = {tuple(q.shape)}: "
+            f"need (1 or B={batch}, 1 or T={seq_len}, R) with R even and 2 <= R <= D={head_dim}"
+        )
+    return q, k, cos, sin
+
+
+class LigerRopeFunction(torch.autograd.Function):
+    """``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``; see the module docstring.
+
+    ``apply(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``: q (B, Hq, T, D), k (B, Hk, T, D)
+    (or (B, T, H, D) with ``unsqueeze_dim=2``), cos/sin (Bc, T, R) with R <= D even. A 3-D
+    cos/sin is used as given and ``position_ids`` ignored (as HF's deprecated argument); a 2-D
+    (max_positions, R) table is gathered with ``position_ids`` (B, T) when they are given.
+    Returns ``(q_embed, k_embed)`` with q's and k's shapes and dtypes. Gradients flow to q and k.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None, unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+        q_c, k_c, cos_c, sin_c = canonicalize_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+        q_order, k_order = memory_order(q_c), memory_order(k_c)
+        q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order)
+        ctx.save_for_backward(cos_c, sin_c)
+        ctx.orders = (q_order, k_order)
+        ctx.unsqueeze_dim = unsqueeze_dim
+        if unsqueeze_dim == 2:
+            q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+        return q_embed, k_embed
+
+    @staticmethod
+    def backward(ctx, grad_q_embed: torch.Tensor, grad_k_embed: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        if ctx.unsqueeze_dim == 2:
+            grad_q_embed, grad_k_embed = grad_q_embed.transpose(1, 2), grad_k_embed.transpose(1, 2)
+        grad_q, grad_k = rope_backward(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders)
+        if ctx.unsqueeze_dim == 2:
+            grad_q, grad_k = grad_q.transpose(1, 2), grad_k.transpose(1, 2)
+        return grad_q, grad_k, None, None, None, None

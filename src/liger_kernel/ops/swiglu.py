@@ -1,0 +1,350 @@
+"""Gated activations ``h = act(a) * b`` (SwiGLU, GeGLU): one elementwise kernel pair.
+
+Shapes: ``a`` (gate) and ``b`` (up) have the same shape (..., I) with any number of leading
+dimensions and any strides whose last dimension is unit-stride (e.g. the two halves of a
+fused ``gate_up_proj`` output, ``gate_up.chunk(2, dim=-1)``, are read in place, without a
+copy). ``h`` is a fresh contiguous tensor of that shape and of the inputs' dtype.
+
+The ``ACTIVATION`` constexpr of the kernels picks ``act``:
+
+* ``SILU`` (SwiGLU, this module's :class:`LigerSiLUMulFunction`)::
+
+      silu(a)  = a * s,                s = sigmoid(a)
+      silu'(a) = s * (1 + a * (1 - s))
+
+* ``GELU_TANH`` (GeGLU, :mod:`liger_kernel.ops.geglu`), torch's ``gelu(approximate="tanh")``::
+
+      gelu(a)  = 0.5 * a * (1 + tanh(u)),  u = sqrt(2/pi) * (a + 0.044715 * a^3)
+               = a * s,                    s = sigmoid(2u)        (since 1 + tanh(u) = 2 sigmoid(2u))
+      gelu'(a) = s + 2 a s (1 - s) * sqrt(2/pi) * (1 + 3 * 0.044715 * a^2)
+
+  Writing ``1 + tanh(u)`` as ``2 sigmoid(2u)`` is an identity, not an approximation; it
+  avoids a tanh (absent from some Triton versions) and the cancellation of ``1 - tanh^2``.
+
+Forward (all math in fp32, one rounding to the input dtype)::
+
+    h = act(a) * b
+
+Backward, recomputing ``act(a)`` from the saved inputs (only ``a`` and ``b`` are saved,
+never ``act(a)`` or ``h``)::
+
+    da = dh * b * act'(a)
+    db = dh * act(a)
+
+Precision: Hugging Face computes ``act_fn(gate) * up`` in the input dtype, i.e. rounds
+``act(a)`` to bf16/fp16 and then rounds the product again; the kernel rounds once, so it is
+at least as close to the exact value and differs from HF by at most about one output ulp.
+For fp32 inputs both are fp32 throughout.
+
+In-place backward (``in_place=True``, opt-in): ``da`` is written over ``a``'s storage and
+``db`` over ``b``'s, so the backward allocates nothing. That is only correct when nothing
+else will read ``a`` or ``b`` again - true in a gated MLP, where both are temporaries
+(outputs of the gate/up projections, which do not save their outputs). The Function
+falls back to fresh outputs when it cannot prove the write safe: ``a`` or ``b`` is a leaf
+(a user tensor), the two may overlap in memory (e.g. ``a is b``), a tensor overlaps itself
+(an expanded view), or the backward is being traced by ``torch.compile`` (whose
+functionalisation would copy anyway). After writing, the version counters of ``a`` and
+``b`` are bumped, so a second backward through the same graph (``retain_graph=True``)
+fails loudly in autograd instead of reading the overwritten values.
+
+Empty inputs give empty outputs and gradients.
+"""
+
+from types import SimpleNamespace
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_kernel.ops.utils import (
+    MAX_BLOCK,
+    _row_norm_round,
+    as_rows,
+    cdiv,
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+    is_interpreter,
+    liger_custom_op,
+    row_launch_settings,
+)
+
+# Values of the ACTIVATION constexpr.
+SILU = 0
+GELU_TANH = 1
+
+# ---- Tunables (change after GPU measurements) ----
+# Elements per program tile; each program reads two (three in backward) such tiles. Rows
+# narrower than GATED_MAX_BLOCK_COLS are packed several to a tile.
+GATED_TILE_ELEMENTS = 4096
+GATED_MAX_BLOCK_COLS = 1024
+
+
+
+@triton.jit
+def _gated_activation(a, ACTIVATION: tl.constexpr):
+    """``(act(a), act'(a))`` in fp32 (the derivative is dead code where unused)."""
+    if ACTIVATION == 0:
+        s = tl.sigmoid(a)
+        act = a * s
+        grad = s * (1.0 + a * (1.0 - s))
+    else:
+        # Literals: 2 sqrt(2/pi) = 1.5957691216057308 (torch's 2 kBeta), kKappa = 0.044715.
+        a_sq = a * a
+        s = tl.sigmoid(1.5957691216057308 * a * (1.0 + 0.044715 * a_sq))
+        act = a * s
+        ds = s * (1.0 - s)
+        # ds == 0 where the sigmoid saturates; the guard keeps 0 * inf (|a| > ~1e19) out of
+        # the gradient, whose exact value there is s.
+        grad = s + tl.where(ds > 0.0, 1.5957691216057308 * a * ds * (1.0 + 0.134145 * a_sq), 0.0)
+    return act, grad
+
+
+@triton.jit
+def _round_for_store(x, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    # The interpreter truncates fp32 -> bf16; round to nearest even as the GPU does.
+    if ROUND_BY_HAND:
+        x = _row_norm_round(x, dtype, True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _tile(pid, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Rows (int64), columns and mask of tile ``pid``; column tiles vary fastest."""
+    n_col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
+    rows = (pid // n_col_tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = (pid % n_col_tiles) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return rows.to(tl.int64)[:, None], cols[None, :], mask
+
+
+@triton.jit
+def gated_activation_forward_kernel(
+    A, B, H,
+    n_rows, n_cols, a_row_stride, b_row_stride, h_row_stride,
+    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+):
+    """One program per (BLOCK_ROWS, BLOCK_COLS) tile: h = act(a) * b."""
+    rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    a = tl.load(A + rows * a_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + rows * b_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _gated_activation(a, ACTIVATION)
+    tl.store(H + rows * h_row_stride + cols, _round_for_store(act * b, H.dtype.element_ty, ROUND_BY_HAND),
+             mask=mask)
+
+
+@triton.jit
+def gated_activation_backward_kernel(
+    DH, A, B, DA, DB,
+    n_rows, n_cols, dh_row_stride, a_row_stride, b_row_stride, da_row_stride, db_row_stride,
+    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+):
+    """One program per tile: da = dh * b * act'(a), db = dh * act(a), act recomputed.
+
+    DA may alias A and DB may alias B (in-place backward): each element is loaded before
+    the program that loaded it overwrites it, and tiles are disjoint.
+    """
+    rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    dh = tl.load(DH + rows * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(A + rows * a_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + rows * b_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    act, act_grad = _gated_activation(a, ACTIVATION)
+    tl.store(DA + rows * da_row_stride + cols,
+             _round_for_store(dh * b * act_grad, DA.dtype.element_ty, ROUND_BY_HAND), mask=mask)
+    tl.store(DB + rows * db_row_stride + cols,
+             _round_for_store(dh * act, DB.dtype.element_ty, ROUND_BY_HAND), mask=mask)
+
+
+def _launch_geometry(n_rows: int, n_cols: int) -> Tuple[int, int, int, int]:
+    """``(BLOCK_ROWS, BLOCK_COLS, num_warps, n_tiles)`` for an (n_rows, n_cols) problem."""
+    block_cols, _ = row_launch_settings(n_cols, max_block=GATED_MAX_BLOCK_COLS)
+    block_rows = min(max(1, GATED_TILE_ELEMENTS // block_cols), triton.next_power_of_2(max(n_rows, 1)))
+    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    n_tiles = cdiv(n_rows, block_rows) * cdiv(n_cols, block_cols)
+    return block_rows, block_cols, num_warps, n_tiles
+
+
+def check_gated_args(a: object, b: object) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the offending argument."""
+    check_tensor(a, "a")
+    check_tensor(b, "b")
+    check_float_dtype(a, "a")
+    check_float_dtype(b, "b")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must have the same dtype, got a: {a.dtype}, b: {b.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"a and b must have the same shape, got a: {tuple(a.shape)}, b: {tuple(b.shape)}")
+    if a.dim() == 0:
+        raise ValueError("a and b must have at least one dimension (the intermediate size)")
+    check_same_device([("a", a), ("b", b)])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return as_rows(x)
+
+
+def _self_disjoint(rows: torch.Tensor) -> bool:
+    """No two elements of the (N, I) view share memory (false e.g. for expanded views)."""
+    n_rows, n_cols = rows.shape
+    return n_rows <= 1 or rows.stride(0) >= n_cols
+
+
+def _mutually_disjoint(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Conservative test that the (N, I) views ``x`` and ``y`` share no element.
+
+    Different storages never overlap. Within one storage we recognise views with equal row
+    stride S whose rows sit at different column offsets of each period of S, which covers
+    the two halves of a fused ``gate_up`` projection; anything else counts as overlapping.
+    """
+    if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+        return True
+    n_rows, n_cols = x.shape
+    shift = y.storage_offset() - x.storage_offset()
+    if n_rows <= 1:
+        return abs(shift) >= n_cols
+    period = x.stride(0)
+    if y.stride(0) != period:
+        return False
+    phase = shift % period
+    return n_cols <= phase <= period - n_cols
+
+
+def gated_activation_forward(a: torch.Tensor, b: torch.Tensor, activation: int) -> torch.Tensor:
+    """Launch the forward kernel; returns ``h = act(a) * b``, fresh and contiguous."""
+    a_rows, b_rows = _rows(a), _rows(b)
+    n_rows, n_cols = a_rows.shape
+    h = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    if n_rows > 0 and n_cols > 0:
+        block_rows, block_cols, num_warps, n_tiles = _launch_geometry(n_rows, n_cols)
+        gated_activation_forward_kernel[(n_tiles,)](
+            a_rows, b_rows, h,
+            n_rows, n_cols, a_rows.stride(0), b_rows.stride(0), h.stride(0),
+            ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            ROUND_BY_HAND=is_interpreter(), num_warps=num_warps,
+        )
+    return h.view(a.shape)
+
+
+def gated_activation_backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: int,
+                              da_rows: Optional[torch.Tensor] = None,
+                              db_rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel; returns ``(da, db)`` as (N, I) row views.
+
+    ``da_rows``/``db_rows`` are the (N, I) destinations (e.g. a's and b's own rows for the
+    in-place backward); fresh contiguous tensors are allocated where they are None.
+    """
+    a_rows, b_rows = _rows(a), _rows(b)
+    n_rows, n_cols = a_rows.shape
+    dh_rows = _rows(grad_h)
+    if da_rows is None:
+        da_rows = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    if db_rows is None:
+        db_rows = torch.empty((n_rows, n_cols), dtype=b.dtype, device=b.device)
+    if n_rows > 0 and n_cols > 0:
+        block_rows, block_cols, num_warps, n_tiles = _launch_geometry(n_rows, n_cols)
+        gated_activation_backward_kernel[(n_tiles,)](
+            dh_rows, a_rows, b_rows, da_rows, db_rows,
+            n_rows, n_cols, dh_rows.stride(0), a_rows.stride(0), b_rows.stride(0),
+            da_rows.stride(0), db_rows.stride(0),
+            ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            ROUND_BY_HAND=is_interpreter(), num_warps=num_warps,
+        )
+    return da_rows, db_rows
+
+
+def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
+    """Register the custom ops ``liger::<name>_forward``, ``_backward`` and ``_backward_inplace``.
+
+    All three run the shared kernels above with ``ACTIVATION=activation``; distinct op
+    names per activation keep compiled graphs readable. Returns them as a namespace with
+    attributes ``forward``, ``backward``, ``backward_inplace``.
+    """
+
+    @liger_custom_op(f"{name}_forward")
+    def forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return gated_activation_forward(a, b, activation)
+
+    @forward.register_fake
+    def _forward_fake(a, b):
+        return torch.empty(a.shape, dtype=a.dtype, device=a.device)
+
+    @liger_custom_op(f"{name}_backward")
+    def backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        da_rows, db_rows = gated_activation_backward(grad_h, a, b, activation)
+        return da_rows.view(a.shape), db_rows.view(b.shape)
+
+    @backward.register_fake
+    def _backward_fake(grad_h, a, b):
+        return (torch.empty(a.shape, dtype=a.dtype, device=a.device),
+                torch.empty(b.shape, dtype=b.dtype, device=b.device))
+
+    @liger_custom_op(f"{name}_backward_inplace", mutates_args=("a", "b"))
+    def backward_inplace(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Write da over a and db over b; the caller has checked that is safe."""
+        gated_activation_backward(grad_h, a, b, activation, da_rows=_rows(a), db_rows=_rows(b))
+
+    @backward_inplace.register_fake
+    def _backward_inplace_fake(grad_h, a, b):
+        return None
+
+    return SimpleNamespace(forward=forward, backward=backward, backward_inplace=backward_inplace,
+                           activation=activation)
+
+
+def _in_place_is_safe(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether da/db may be written over a/b (see the module docstring)."""
+    if a.is_leaf or b.is_leaf:
+        return False
+    a_rows, b_rows = _rows(a), _rows(b)
+    # as_rows copies a view it cannot flatten; writing into such a copy would not alias a.
+    if a_rows.data_ptr() != a.data_ptr() or b_rows.data_ptr() != b.data_ptr():
+        return False
+    if not (a_rows.stride(-1) == 1 and b_rows.stride(-1) == 1):
+        return False
+    return _self_disjoint(a_rows) and _self_disjoint(b_rows) and _mutually_disjoint(a_rows, b_rows)
+
+
+def gated_function_forward(ctx, ops: SimpleNamespace, a: torch.Tensor, b: torch.Tensor,
+                           in_place: bool) -> torch.Tensor:
+    """Shared body of the gated-activation autograd Functions' forward."""
+    check_gated_args(a, b)
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    # Evaluated here, on the forward's inputs, because leaf-ness is lost in the saved tensors.
+    ctx.in_place = in_place and not torch.compiler.is_compiling() and _in_place_is_safe(a, b)
+    ctx.save_for_backward(a, b)
+    return ops.forward(a, b)
+
+
+def gated_function_backward(ctx, ops: SimpleNamespace, grad_h: torch.Tensor):
+    """Shared body of the backward: ``(da, db)``, written over a and b when ``ctx.in_place``."""
+    a, b = ctx.saved_tensors
+    if ctx.in_place and not torch.compiler.is_compiling():
+        ops.backward_inplace(grad_h, a, b)
+        # Readers of the old values (a second backward with retain_graph) now fail loudly.
+        torch.autograd.graph.increment_version(a)
+        torch.autograd.graph.increment_version(b)
+        return a.detach(), b.detach()
+    return ops.backward(grad_h, a, b)
+
+
+SWIGLU_OPS = make_gated_ops("swiglu", SILU)
+
+
+class LigerSiLUMulFunction(torch.autograd.Function):
+    """``h = silu(a) * b`` (SwiGLU's gating); see the module docstring for math and in-place.
+
+    ``apply(a, b, in_place=False)``: ``a`` (gate) and ``b`` (up) of one shape (..., I) and
+    dtype (fp32/bf16/fp16), any unit-last-stride layout. Returns ``h`` of that shape and
+    dtype. Gradients flow to ``a`` and ``b``.
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        return gated_function_forward(ctx, SWIGLU_OPS, a, b, in_place)
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor):
+        da, db = gated_function_backward(ctx, SWIGLU_OPS, grad_h)
+        return da, db, None

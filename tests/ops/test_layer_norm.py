@@ -1,0 +1,239 @@
+"""LigerLayerNormFunction against ``torch.nn.functional.layer_norm``.
+
+fp32 inputs are compared with F.layer_norm in float64 (the truth) at fp32 tolerances,
+and rows with a large common offset (mean 1000 * std), which would break a single-pass
+E[x^2] - E[x]^2 variance, are held to torch's own fp32 accuracy. For bf16/fp16 the output is compared with
+F.layer_norm in that dtype at ~2 output ulps, and our distance to the float64 truth
+(output and all three gradients) must not exceed torch's own by more than 25%.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+from liger_kernel.ops.utils import MAX_FUSED_BLOCK
+from tests.utils import DEVICE, assert_close, rel_error, shapes
+
+SHAPES = shapes(
+    small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (1, 1027), (3, 1027), (37, 1027),
+           (2, MAX_FUSED_BLOCK + 8)],
+    full=[(1007, 1), (1, 4231), (3, 4231), (1007, 123), (1007, 4231), (64, 4096), (4, 65536), (3, 65536 + 7)],
+)
+EPS = 1e-5
+ERROR_FACTOR = 1.25
+
+
+def torch_layer_norm(x, w, b, eps):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def liger(x, w, b, eps):
+    return LigerLayerNormFunction.apply(x, w, b, eps)
+
+
+def run(fn, x, w, b, dy, eps=EPS):
+    """(y, dx, dw, db) of ``fn(x, w, b, eps)`` with upstream gradient ``dy`` (db None without bias)."""
+    x = x.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    b = b.detach().clone().requires_grad_(True) if b is not None else None
+    y = fn(x, w, b, eps)
+    y.backward(dy.to(y.dtype, copy=True))
+    return y.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+
+
+def make_inputs(n_rows, hidden, dtype, bias=True, shift=0.0):
+    x = (torch.randn(n_rows, hidden, device=DEVICE) + shift).to(dtype)
+    w = (torch.randn(hidden, device=DEVICE) * 0.5 + 1.0).to(dtype)
+    b = torch.randn(hidden, device=DEVICE).to(dtype) if bias else None
+    dy = torch.randn(n_rows, hidden, device=DEVICE)
+    return x, w, b, dy
+
+
+def double(t):
+    return t.double() if t is not None else None
+
+
+def check_fp32(ours, truth, n_rows, shift_scale=1.0):
+    names = ("y", "dx", "dw", "db")
+    # dx sums over a row, dw/db over all rows: fp32 error grows with the reduction length.
+    scales = [s * shift_scale for s in (1, 4, max(4, n_rows ** 0.5), max(4, n_rows ** 0.5))]
+    for name, a, t, scale in zip(names, ours, truth, scales):
+        if t is None:
+            assert a is None
+            continue
+        assert_close(a, t, dtype=torch.float32, scale=scale, msg=name)
+
+
+@pytest.mark.parametrize("n_rows,hidden", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp32_matches_float64(n_rows, hidden, bias):
+    x, w, b, dy = make_inputs(n_rows, hidden, torch.float32, bias)
+    ours = run(liger, x, w, b, dy)
+    truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
+    assert ours[0].dtype == torch.float32
+    check_fp32(ours, truth, n_rows)
+
+
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(5, 123), (2, MAX_FUSED_BLOCK + 8)],
+                                                  full=[(64, 4231), (4, 65536)]))
+def test_large_mean_is_stable(n_rows, hidden):
+    """Rows with mean 1000x their spread: the variance must come from centred values.
+
+    fp32 cannot represent the row mean to better than ~ulp(1000) = 6e-5, so even an ideal
+    fp32 kernel is off by ~1e-5 relative here (torch's fp32 layer_norm is); a variance from
+    E[x^2] - E[x]^2 would be off by ~3e-2. We ask for torch's fp32 accuracy (within 2x,
+    the summation orders differ) or 1e-4, whichever is larger.
+    """
+    x, w, b, dy = make_inputs(n_rows, hidden, torch.float32, shift=1000.0)
+    ours = run(liger, x, w, b, dy)
+    ref = run(torch_layer_norm, x, w, b, dy)
+    truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
+    for name, a, r, t in zip(("y", "dx", "dw", "db"), ours, ref, truth):
+        ours_err, ref_err = rel_error(a, t), rel_error(r, t)
+        assert ours_err <= max(2 * ref_err, 1e-4), f"{name}: error {ours_err:.3g} vs torch fp32's {ref_err:.3g}"
+
+
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, 1027), (2, MAX_FUSED_BLOCK + 8)],
+                                                  full=[(1007, 4231), (64, 4096)]))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_low_precision_matches_torch(n_rows, hidden, dtype, bias):
+    x, w, b, dy = make_inputs(n_rows, hidden, dtype, bias)
+    ours = run(liger, x, w, b, dy)
+    ref = run(torch_layer_norm, x, w, b, dy)
+    truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
+    assert ours[0].dtype == dtype and ours[1].dtype == dtype and ours[2].dtype == dtype
+    assert_close(ours[0], ref[0], dtype=dtype, msg="y vs torch")
+    for name, a, r, t in zip(("y", "dx", "dw", "db"), ours, ref, truth):
+        if t is None:
+            continue
+        ours_err, ref_err = rel_error(a, t), rel_error(r, t)
+        assert ours_err <= ERROR_FACTOR * ref_err + 1e-6, f"{name}: error {ours_err:.3g} vs torch's {ref_err:.3g}"
+
+
+def test_mixed_dtypes():
+    """bf16 activations with fp32 weight and bias: output and dx in bf16, dw/db in fp32."""
+    x, w, b, dy = make_inputs(7, 123, torch.float32)
+    x = x.bfloat16()
+    ours = run(liger, x, w, b, dy)
+    truth = run(torch_layer_norm, x.double(), w.double(), b.double(), dy.bfloat16().double())
+    assert [t.dtype for t in ours] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    assert_close(ours[0], truth[0], dtype=torch.bfloat16, msg="y")
+    assert_close(ours[1], truth[1], dtype=torch.bfloat16, scale=2, msg="dx")
+    # dw/db: fp32 sums of bf16-exact products; the inputs' own bf16 rounding cancels out here.
+    assert_close(ours[2], truth[2], dtype=torch.float32, scale=4, msg="dw")
+    assert_close(ours[3], truth[3], dtype=torch.float32, scale=4, msg="db")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_4d_non_contiguous(bias):
+    b_, t, heads, head_dim = 2, 5, 3, 64
+    x = torch.randn(b_, heads, t, head_dim, device=DEVICE).transpose(1, 2)
+    assert not x.is_contiguous()
+    w = torch.randn(head_dim, device=DEVICE)
+    b = torch.randn(head_dim, device=DEVICE) if bias else None
+    dy = torch.randn(b_, heads, t, head_dim, device=DEVICE).transpose(1, 2)
+    ours = run(liger, x, w, b, dy)
+    truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
+    assert ours[0].shape == x.shape and ours[1].shape == x.shape
+    check_fp32(ours, truth, 30)
+
+
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, MAX_FUSED_BLOCK + 8)],
+                                                  full=[(4097, 4231), (33, 65536)]))
+def test_grads_deterministic(n_rows, hidden):
+    x, w, b, dy = make_inputs(n_rows, hidden, torch.bfloat16)
+    first = run(liger, x, w, b, dy)
+    second = run(liger, x, w, b, dy)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("hidden", [1, 123, MAX_FUSED_BLOCK + 8])
+def test_constant_rows_are_finite(hidden):
+    """Zero variance: rstd = 1/sqrt(eps), y = b, dx = (g - mean(g)) / sqrt(eps), dw = 0."""
+    x = torch.full((3, hidden), 2.5, device=DEVICE)
+    w = torch.randn(hidden, device=DEVICE)
+    b = torch.randn(hidden, device=DEVICE)
+    dy = torch.randn(3, hidden, device=DEVICE)
+    y, dx, dw, db = run(liger, x, w, b, dy)
+    assert_close(y, b.expand_as(y), msg="y")
+    g = dy * w
+    assert_close(dx, (g - g.mean(-1, keepdim=True)) / EPS ** 0.5, scale=4, msg="dx")
+    assert torch.all(dw == 0)
+    assert_close(db, dy.sum(0), msg="db")
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, MAX_FUSED_BLOCK + 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_empty_input(shape, bias):
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    w = torch.randn(shape[-1], device=DEVICE, requires_grad=True)
+    b = torch.randn(shape[-1], device=DEVICE, requires_grad=True) if bias else None
+    y = liger(x, w, b, EPS)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    if bias:
+        assert torch.equal(b.grad, torch.zeros_like(b))
+
+
+X_OK = torch.randn(2, 8, device=DEVICE)
+W_OK = torch.ones(8, device=DEVICE)
+B_OK = torch.zeros(8, device=DEVICE)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((X_OK, torch.ones(7, device=DEVICE), None, EPS), ValueError, "last dimension"),
+    ((X_OK, W_OK, torch.zeros(7, device=DEVICE), EPS), ValueError, "B has shape"),
+    ((X_OK, torch.ones(1, 8, device=DEVICE), B_OK, EPS), ValueError, "W must be 1-D"),
+    ((X_OK.double(), W_OK, B_OK, EPS), TypeError, "X has dtype"),
+    ((X_OK, W_OK, B_OK.int(), EPS), TypeError, "B has dtype"),
+    ((X_OK, W_OK.half().int(), B_OK, EPS), TypeError, "W has dtype"),
+    ((X_OK, "w", B_OK, EPS), TypeError, "W must be a torch.Tensor"),
+    ((X_OK, W_OK, 0.0, EPS), TypeError, "B must be a torch.Tensor"),
+    ((X_OK, W_OK, B_OK, None), TypeError, "eps"),
+    ((X_OK, W_OK, B_OK, float("nan")), ValueError, "eps"),
+])
+def test_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        LigerLayerNormFunction.apply(*args)
+
+
+def test_different_devices():
+    if DEVICE != "cuda":
+        pytest.skip("needs a CUDA device to put B elsewhere")
+    with pytest.raises(ValueError, match="device"):
+        LigerLayerNormFunction.apply(X_OK, W_OK, B_OK.cpu(), EPS)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    hidden=st.integers(2, 300),
+    bias=st.booleans(),
+    shift=st.sampled_from([0.0, 10.0, -100.0]),
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_property(lead, hidden, bias, shift, eps, dtype):
+    x = (torch.randn(*lead, hidden, device=DEVICE) + shift).to(dtype)
+    w = torch.randn(hidden, device=DEVICE).to(dtype)
+    b = torch.randn(hidden, device=DEVICE).to(dtype) if bias else None
+    dy = torch.randn(*lead, hidden, device=DEVICE).to(dtype)
+    ours = run(liger, x, w, b, dy, eps)
+    truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double(), eps)
+    assert ours[0].shape == x.shape
+    n_rows = x.numel() // hidden
+    if dtype == torch.float32:
+        # The fp32 row mean is only good to ~ulp(shift), which limits x - mean (see above).
+        check_fp32(ours, truth, n_rows, shift_scale=1 + abs(shift) / 10)
+        return
+    # Low precision: one rounding of y and dx (fp32 inside), dw/db rounded after an fp32 sum.
+    for name, a, t, scale in zip(("y", "dx", "dw", "db"), ours, truth, (1, 2, 2, 2)):
+        if t is not None:
+            assert_close(a, t, dtype=dtype, scale=scale, msg=name)

@@ -1,0 +1,267 @@
+"""The shared fused-loss causal-LM forward against Hugging Face's own forward.
+
+Each test runs a patched instance and an unpatched deep copy of the same tiny fp32 model on
+the same batch and compares loss, gradients and outputs: label shifting, ``ignore_index``,
+``shift_labels``, ``num_items_in_batch`` (and the exact gradient accumulation it enables),
+``logits_to_keep``, ``return_dict=False``, ``skip_logits``, Gemma 2's final-logit soft-cap,
+Mixtral's router auxiliary loss, ``cross_entropy=True``, the signature the Trainer and
+``generate()`` inspect, and greedy generation.
+
+Tolerance: the fused kernel computes the same fp32 log-softmax as HF's upcast
+``cross_entropy`` in a different summation order (chunks of rows, blocks of the vocabulary),
+and the other kernels differ by a few ulps; 2e-5 absolute on O(1) losses and gradients is
+~100 fp32 ulps, well above that noise and far below any semantic difference (a wrong shift,
+mask or normaliser changes the loss by >1e-2).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from liger_kernel.transformers import _apply_liger_kernel_to_instance, revert_liger_kernel  # noqa: E402
+from liger_kernel.transformers.causal_lm import liger_causal_lm_loss  # noqa: E402
+from tests.transformers.model_configs import VOCAB, build_model, random_batch  # noqa: E402
+
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def _revert_class_patches():
+    yield
+    revert_liger_kernel()
+
+
+def _pair(model_type: str = "llama", **liger_options):
+    reference = build_model(model_type, seed=7)
+    patched = copy.deepcopy(reference)
+    _apply_liger_kernel_to_instance(patched, **liger_options)
+    return reference, patched
+
+
+def _run(model, train: bool = True, **inputs):
+    model.train(train)
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    loss = out[0] if isinstance(out, tuple) else out.loss
+    if loss is not None and loss.requires_grad:
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _assert_same_grads(grads, ref_grads):
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=name)
+
+
+def test_signature_is_explicit_for_trainer_and_generate():
+    _, patched = _pair()
+    params = inspect.signature(patched.forward).parameters
+    for name in ("input_ids", "attention_mask", "position_ids", "past_key_values", "labels", "use_cache",
+                 "logits_to_keep", "skip_logits"):
+        assert name in params, name
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    assert patched._supports_logits_to_keep()
+
+
+def test_training_skips_logits_and_matches_hf():
+    reference, patched = _pair()
+    batch = random_batch(VOCAB, seed=1)
+    ref_out, ref_grads = _run(reference, **batch)
+    out, grads = _run(patched, **batch)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)
+
+
+def test_num_items_in_batch_and_exact_gradient_accumulation():
+    reference, patched = _pair()
+    batch = random_batch(VOCAB, batch=4, seed=2)
+    batch["labels"][0, :5] = -100  # uneven counts per micro-batch
+    micro = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    num_items = int((batch["labels"][:, 1:] != -100).sum())
+
+    # Per micro-batch: sum / num_items_in_batch, equal to HF's, tensor or int.
+    for items in (torch.tensor(num_items), num_items):
+        ref_out, ref_grads = _run(reference, **micro[0], num_items_in_batch=items)
+        out, grads = _run(patched, **micro[0], num_items_in_batch=items)
+        torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+        _assert_same_grads(grads, ref_grads)
+
+    # Accumulating the two micro-batches reproduces the full-batch mean and its gradient.
+    _, full_grads = _run(reference, **batch)
+    full_loss = reference(**batch).loss.detach()
+    patched.train()
+    patched.zero_grad(set_to_none=True)
+    total = 0.0
+    for part in micro:
+        loss = patched(**part, num_items_in_batch=torch.tensor(num_items)).loss
+        loss.backward()
+        total = total + loss.detach()
+    torch.testing.assert_close(total, full_loss, **TOL)
+    _assert_same_grads({n: p.grad for n, p in patched.named_parameters() if p.grad is not None}, full_grads)
+
+
+def test_shift_labels_and_ignore_index():
+    reference, patched = _pair()
+    batch = random_batch(VOCAB, seed=3)
+    shift_labels = torch.randint(3, VOCAB, batch["labels"].shape)
+    shift_labels[:, ::3] = -100
+    ref_out, ref_grads = _run(reference, **batch, shift_labels=shift_labels)
+    out, grads = _run(patched, **batch, shift_labels=shift_labels)
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)
+    unshifted = _run(patched, **batch)[0].loss
+    assert not torch.allclose(unshifted, out.loss)  # the given targets were used, not a shift
+
+
+@pytest.mark.parametrize("logits_to_keep", [2, 5, "tensor"])
+def test_logits_to_keep(logits_to_keep):
+    reference, patched = _pair()
+    batch = random_batch(VOCAB, seed=4)
+    seq = batch["input_ids"].shape[1]
+    if logits_to_keep == "tensor":
+        logits_to_keep = torch.tensor([0, 3, seq - 1])
+        kept = 3
+    else:
+        kept = logits_to_keep
+    ref_out, _ = _run(reference, train=False, input_ids=batch["input_ids"], logits_to_keep=logits_to_keep)
+    out, _ = _run(patched, train=False, input_ids=batch["input_ids"], logits_to_keep=logits_to_keep)
+    assert out.logits.shape == (2, kept, VOCAB)
+    torch.testing.assert_close(out.logits, ref_out.logits, **TOL)
+
+    # Training on the kept positions only: labels aligned with them, as HF requires.
+    if isinstance(logits_to_keep, int):
+        labels = batch["labels"][:, -kept:]
+        ref_out, ref_grads = _run(reference, input_ids=batch["input_ids"], labels=labels, logits_to_keep=kept)
+        out, grads = _run(patched, input_ids=batch["input_ids"], labels=labels, logits_to_keep=kept)
+        torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+        _assert_same_grads(grads, ref_grads)
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            patched(input_ids=batch["input_ids"], labels=batch["labels"], logits_to_keep=kept)
+
+
+def test_return_dict_false_gives_hf_tuples():
+    reference, patched = _pair()
+    batch = random_batch(VOCAB, seed=5)
+    for train, kwargs in ((True, {}), (False, {}), (False, {"use_cache": False})):
+        ref_out, _ = _run(reference, train=train, **batch, return_dict=False, **kwargs)
+        out, _ = _run(patched, train=train, **batch, return_dict=False, **kwargs)
+        assert isinstance(out, tuple)
+        torch.testing.assert_close(out[0], ref_out[0], **TOL)
+        if not train:
+            assert len(out) == len(ref_out)
+            torch.testing.assert_close(out[1], ref_out[1], **TOL)
+        else:
+            assert len(out) == len(ref_out) - 1  # no logits in training
+
+
+def test_skip_logits():
+    reference, patched = _pair()
+    batch = random_batch(VOCAB, seed=6)
+    ref_eval, _ = _run(reference, train=False, **batch)
+
+    out, _ = _run(patched, train=False, **batch)  # eval: logits by default
+    torch.testing.assert_close(out.logits, ref_eval.logits, **TOL)
+    torch.testing.assert_close(out.loss, ref_eval.loss, **TOL)
+
+    out, _ = _run(patched, train=False, **batch, skip_logits=True)  # the Trainer's prediction_loss_only
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref_eval.loss, **TOL)
+
+    ref_train, ref_grads = _run(reference, **batch)
+    out, grads = _run(patched, **batch, skip_logits=False)
+    torch.testing.assert_close(out.logits, ref_train.logits, **TOL)
+    torch.testing.assert_close(out.loss, ref_train.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)
+
+    out, _ = _run(patched, input_ids=batch["input_ids"])  # training without labels: logits
+    assert out.loss is None and out.logits.shape == (2, batch["input_ids"].shape[1], VOCAB)
+    with pytest.raises(ValueError, match="skip_logits"):
+        patched(input_ids=batch["input_ids"], skip_logits=True)
+
+
+def test_gemma2_final_logit_softcapping():
+    reference, patched = _pair("gemma2")
+    assert reference.config.final_logit_softcapping is not None
+    batch = random_batch(VOCAB, seed=7)
+    ref_out, ref_grads = _run(reference, **batch)
+    out, grads = _run(patched, **batch)
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)
+    ref_eval, _ = _run(reference, train=False, **batch)
+    out_eval, _ = _run(patched, train=False, **batch)
+    assert out_eval.logits.abs().max() <= reference.config.final_logit_softcapping
+    torch.testing.assert_close(out_eval.logits, ref_eval.logits, **TOL)
+
+
+def test_mixtral_router_aux_loss():
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    reference, patched = _pair("mixtral")
+    batch = random_batch(VOCAB, seed=8)
+    ref_out, ref_grads = _run(reference, **batch, output_router_logits=True)
+    out, grads = _run(patched, **batch, output_router_logits=True)
+    assert isinstance(out, MoeCausalLMOutputWithPast)
+    torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, **TOL)
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    assert len(out.router_logits) == reference.config.num_hidden_layers
+    _assert_same_grads(grads, ref_grads)
+    out, _ = _run(patched, **batch)  # config default: no router logits
+    assert out.aux_loss is None
+
+
+def test_cross_entropy_option_uses_liger_loss_on_logits():
+    reference, patched = _pair(cross_entropy=True, fused_linear_cross_entropy=False)
+    assert patched.loss_function is liger_causal_lm_loss
+    batch = random_batch(VOCAB, seed=9)
+    for extra in ({}, {"num_items_in_batch": torch.tensor(17)}):
+        ref_out, ref_grads = _run(reference, **batch, **extra)
+        out, grads = _run(patched, **batch, **extra)
+        torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+        torch.testing.assert_close(out.logits, ref_out.logits, **TOL)  # not overwritten by the gradient
+        _assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral", "phi3"])
+def test_greedy_generate_matches_unpatched(model_type):
+    reference, patched = _pair(model_type)
+    prompt = random_batch(VOCAB, batch=2, seq=6, seed=10)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    reference.eval()
+    patched.eval()
+    expected = reference.generate(prompt["input_ids"], attention_mask=prompt["attention_mask"], **kwargs)
+    got = patched.generate(prompt["input_ids"], attention_mask=prompt["attention_mask"], **kwargs)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_gradient_checkpointing():
+    reference, patched = _pair()
+    for model in (reference, patched):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = random_batch(VOCAB, seed=11)
+    ref_out, ref_grads = _run(reference, **batch)
+    out, grads = _run(patched, **batch)
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)
+
+
+def test_class_level_forward_matches_hf():
+    from liger_kernel.transformers import liger_kernel_patched
+
+    reference = build_model("qwen3", seed=12)
+    batch = random_batch(VOCAB, seed=12)
+    ref_out, ref_grads = _run(reference, **batch)
+    with liger_kernel_patched("qwen3"):
+        patched = build_model("qwen3", seed=12)
+        out, grads = _run(patched, **batch)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)

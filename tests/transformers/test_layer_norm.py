@@ -1,0 +1,105 @@
+"""LigerLayerNorm against ``torch.nn.LayerNorm`` (forward, dX, dW, dB) and its module API.
+
+Tolerances: fp32 to fp32 tolerances (dx/dw/db scaled for their reductions); bf16 to ~2
+bf16 ulps, torch's bf16 LayerNorm also computing its statistics in fp32. The kernel math
+is tested against float64 in tests/ops.
+"""
+
+import types
+
+import pytest
+import torch
+
+from liger_kernel.transformers.layer_norm import LigerLayerNorm, liger_layer_norm
+from tests.utils import DEVICE, assert_close
+
+HIDDEN = 123
+
+
+def forward_backward(module, x, dy):
+    x = x.detach().clone().requires_grad_(True)
+    module.zero_grad()
+    y = module(x)
+    y.backward(dy)
+    bias_grad = module.bias.grad.clone() if module.bias is not None else None
+    return y.detach(), x.grad, module.weight.grad.clone(), bias_grad
+
+
+def paired(dtype, bias=True, eps=1e-5, hidden=HIDDEN):
+    ref = torch.nn.LayerNorm(hidden, eps=eps, bias=bias).to(DEVICE, dtype)
+    ours = LigerLayerNorm(hidden, eps=eps, bias=bias).to(DEVICE, dtype)
+    with torch.no_grad():
+        ref.weight.normal_(1.0, 0.5)
+        ours.weight.copy_(ref.weight)
+        if bias:
+            ref.bias.normal_()
+            ours.bias.copy_(ref.bias)
+    return ours, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 7, HIDDEN), (3, 2, 5, 64)])
+def test_matches_torch_layer_norm(dtype, bias, shape):
+    ours, ref = paired(dtype, bias, hidden=shape[-1])
+    x = torch.randn(shape, device=DEVICE, dtype=dtype) * 2 + 3
+    dy = torch.randn(shape, device=DEVICE, dtype=dtype)
+    got, expected = forward_backward(ours, x, dy), forward_backward(ref, x, dy)
+    n_rows = x.numel() // shape[-1]
+    for name, a, e, scale in zip(("y", "dx", "dw", "db"), got, expected, (1, 4, n_rows ** 0.5, n_rows ** 0.5)):
+        if e is None:
+            assert a is None
+            continue
+        assert a.dtype == e.dtype
+        assert_close(a, e, scale=max(scale, 1), msg=name)
+
+
+def test_module_attributes():
+    norm = LigerLayerNorm(16, eps=1e-5)
+    assert torch.equal(norm.weight, torch.ones(16)) and torch.equal(norm.bias, torch.zeros(16))
+    assert norm.variance_epsilon == 1e-5 and norm.eps == 1e-5
+    norm.eps = 1e-3
+    assert norm.variance_epsilon == 1e-3
+    assert "eps=0.001" in repr(norm)
+    no_bias = LigerLayerNorm(16, bias=False)
+    assert no_bias.bias is None and "bias=False" in repr(no_bias)
+    assert [name for name, _ in no_bias.named_parameters()] == ["weight"]
+
+
+def test_forward_bound_onto_torch_layer_norm():
+    ref = torch.nn.LayerNorm(HIDDEN, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    x = torch.randn(4, HIDDEN, device=DEVICE)
+    dy = torch.randn(4, HIDDEN, device=DEVICE)
+    expected = forward_backward(ref, x, dy)
+    ref.forward = types.MethodType(LigerLayerNorm.forward, ref)
+    got = forward_backward(ref, x, dy)
+    for name, a, e in zip(("y", "dx", "dw", "db"), got, expected):
+        assert_close(a, e, scale=4, msg=name)
+
+
+def test_functional_matches_module():
+    ours, _ = paired(torch.float32)
+    x = torch.randn(5, HIDDEN, device=DEVICE)
+    assert torch.equal(liger_layer_norm(x, ours.weight, ours.bias, 1e-5), ours(x))
+
+
+def test_torch_compile_fullgraph():
+    ours, _ = paired(torch.float32, hidden=64)
+    scale = torch.randn(2, 5, 64, device=DEVICE)
+
+    def loss_fn(x):
+        return (ours(x * 2.0) * scale).sum()
+
+    x = torch.randn(2, 5, 64, device=DEVICE, requires_grad=True)
+    params = [x, ours.weight, ours.bias]
+    eager = loss_fn(x)
+    eager_grads = torch.autograd.grad(eager, params)
+    compiled = torch.compile(loss_fn, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled, params)
+    # Inductor reorders the surrounding fp32 sum; the norm itself is the same kernel.
+    assert_close(compiled, eager, scale=10, msg="loss")
+    for name, a, e in zip(("dx", "dw", "db"), compiled_grads, eager_grads):
+        assert_close(a, e, scale=4, msg=name)

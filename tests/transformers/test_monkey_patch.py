@@ -1,0 +1,322 @@
+"""The patching mechanism: generated apply functions, class-level patch and revert, instance
+patching (every norm / MLP / attention, other instances untouched), kwargs filtering, weight
+initialisation, and forward/backward equality with the unpatched HF model for every family.
+
+Models are the tiny configs of :mod:`tests.transformers.model_configs` in fp32; the Liger
+kernels differ from HF's PyTorch ops only by rounding (a few fp32 ulps per op), so one
+forward/backward agrees to ~1e-5 absolute on O(1) losses, logits and gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from liger_kernel.transformers import (  # noqa: E402
+    MODEL_TYPE_TO_APPLY_LIGER_FN,
+    _apply_liger_kernel,
+    _apply_liger_kernel_to_instance,
+    liger_kernel_patched,
+    revert_liger_kernel,
+)
+from liger_kernel.transformers.families import FAMILIES  # noqa: E402
+from liger_kernel.transformers.monkey_patch import with_global_overrides  # noqa: E402
+from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
+from tests.transformers.model_configs import MODEL_TYPES, VOCAB, build_model, random_batch, tiny_config  # noqa: E402
+
+# fp32 forward/backward of a 2-layer model: a few ulps per kernel, accumulated over layers.
+FP32_TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def _revert_class_patches():
+    yield
+    revert_liger_kernel()
+
+
+def _modeling(model_type: str):
+    return importlib.import_module(FAMILIES[model_type].modeling_module)
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _bound_in_instance(module, name: str = "forward") -> bool:
+    return name in vars(module)
+
+
+def test_every_family_has_a_generated_apply_function():
+    import liger_kernel.transformers as lt
+
+    assert set(MODEL_TYPE_TO_APPLY_LIGER_FN) == set(MODEL_TYPES)
+    for model_type in MODEL_TYPES:
+        fn = getattr(lt, f"apply_liger_kernel_to_{model_type}")
+        assert fn is MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+        activation = "geglu" if model_type.startswith("gemma") else "swiglu"
+        params = inspect.signature(fn).parameters
+        assert list(params) == ["rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", activation, "model"]
+        assert [p.default for p in params.values()] == [True, False, True, True, True, None]
+        with pytest.raises(TypeError):
+            fn(not_an_option=True)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_cross_entropy_and_fused_linear_cross_entropy_are_exclusive(model_type):
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    with pytest.raises(ValueError, match="cross_entropy"):
+        fn(cross_entropy=True, fused_linear_cross_entropy=True)
+    with pytest.raises(ValueError, match="cross_entropy"):
+        fn(cross_entropy=True, fused_linear_cross_entropy=True, model=build_model(model_type))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_class_level_patch_and_revert(model_type):
+    family = FAMILIES[model_type]
+    modeling = _modeling(model_type)
+    causal_lm = getattr(modeling, family.causal_lm_class)
+    is_experts = family.mlp.kind == "experts"
+    names = [family.norm.class_name, family.rotary_fn] + ([] if is_experts else [family.mlp.class_name])
+    originals = {name: getattr(modeling, name) for name in names}
+    original_forward = causal_lm.forward
+    experts_class = getattr(modeling, family.mlp.class_name)
+    original_experts_forward = experts_class.forward
+
+    MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]()
+    for name in names:
+        assert getattr(modeling, name) is not originals[name], name
+    assert causal_lm.forward is not original_forward
+    if is_experts:
+        assert getattr(modeling, family.mlp.class_name) is experts_class
+        assert experts_class.forward is not original_experts_forward
+    model = build_model(model_type)
+    norms = [m for m in model.modules() if isinstance(m, LigerRMSNorm)]
+    assert len(norms) == 1 + len(family.norm.layer_attrs) * model.config.num_hidden_layers
+    assert all(n.offset == family.norm.offset and n.casting_mode == family.norm.casting_mode for n in norms)
+    assert all("RMSNorm" in type(n).__name__ for n in norms)  # HF _init_weights finds norms by name
+
+    revert_liger_kernel(model_type)
+    for name in names:
+        assert getattr(modeling, name) is originals[name], name
+    assert causal_lm.forward is original_forward
+    assert experts_class.forward is original_experts_forward
+    fresh = build_model(model_type)
+    assert not any(isinstance(m, LigerRMSNorm) for m in fresh.modules())
+
+
+def test_context_manager_restores_including_an_enclosing_patch():
+    modeling = _modeling("llama")
+    original_norm, original_rope = modeling.LlamaRMSNorm, modeling.apply_rotary_pos_emb
+    with liger_kernel_patched("llama", rope=False):
+        assert modeling.LlamaRMSNorm is not original_norm
+        assert modeling.apply_rotary_pos_emb is original_rope
+        assert isinstance(build_model("llama").model.norm, LigerRMSNorm)
+    assert modeling.LlamaRMSNorm is original_norm
+
+    _apply_liger_kernel("llama", rope=False)
+    patched_norm = modeling.LlamaRMSNorm
+    with liger_kernel_patched("llama"):
+        assert modeling.apply_rotary_pos_emb is not original_rope
+    assert modeling.LlamaRMSNorm is patched_norm  # the outer patch survives the block
+    assert modeling.apply_rotary_pos_emb is original_rope
+    revert_liger_kernel("llama")
+    assert modeling.LlamaRMSNorm is original_norm
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_class_patched_init_matches_unpatched(model_type):
+    # HF's _init_weights recognises norms by class name (Gemma re-initialises them to zeros):
+    # the patched classes must give bit-identical initial weights for the same seed, both
+    # from the constructor (post_init) and from an explicit model.apply(model._init_weights).
+    reference = build_model(model_type, seed=3)
+    with liger_kernel_patched(model_type):
+        patched = build_model(model_type, seed=3)
+        assert isinstance(patched.model.norm, LigerRMSNorm)
+        for model in (reference, patched):
+            for p in model.parameters():
+                p.data.uniform_()  # scramble, so _init_weights has to do the work
+            torch.manual_seed(11)
+            model.apply(model._init_weights)
+    ref_state, patched_state = reference.state_dict(), patched.state_dict()
+    assert list(ref_state) == list(patched_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(patched_state[name], value, atol=0, rtol=0, msg=name)
+    expected = 0.0 if FAMILIES[model_type].norm.init_fn == "zeros" else 1.0
+    assert torch.all(patched.model.norm.weight == expected)
+    fresh_ref, fresh_patched = build_model(model_type, seed=5), None
+    with liger_kernel_patched(model_type):
+        fresh_patched = build_model(model_type, seed=5)
+    for name, value in fresh_ref.state_dict().items():
+        torch.testing.assert_close(fresh_patched.state_dict()[name], value, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_instance_patching_matches_hf_and_leaves_others_alone(model_type):
+    family = FAMILIES[model_type]
+    reference = build_model(model_type, seed=1)
+    model = copy.deepcopy(reference)
+    bystander = copy.deepcopy(reference)
+    _apply_liger_kernel_to_instance(model)
+
+    norms = [m for m in model.modules() if type(m).__name__ == family.norm.class_name]
+    assert len(norms) == 1 + len(family.norm.layer_attrs) * model.config.num_hidden_layers
+    assert all(_bound_in_instance(n) for n in norms)
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        target = getattr(mlp, family.mlp.experts_attr) if family.mlp.kind == "experts" else mlp
+        assert _bound_in_instance(target)
+        assert _bound_in_instance(layer.self_attn)  # rotary rebound for this instance only
+    assert _bound_in_instance(model)
+    # The class, the module and the other instance are untouched.
+    assert not any(_bound_in_instance(m) for m in bystander.modules())
+    modeling = _modeling(model_type)
+    assert getattr(modeling, family.rotary_fn).__module__ == modeling.__name__
+
+    batch = random_batch(VOCAB, seed=5)
+    model.train()
+    reference.train()
+    ref_loss, ref_grads = _loss_and_grads(reference, batch)
+    loss, grads = _loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
+
+    # deepcopy keeps the patch, bound to the copy.
+    clone = copy.deepcopy(model)
+    assert clone.forward.__self__ is clone
+    assert clone.model.norm.forward.__self__ is clone.model.norm
+    torch.testing.assert_close(clone(**batch).loss, loss, **FP32_TOL)
+
+
+def test_instance_rope_uses_the_liger_kernel_only_for_that_instance(monkeypatch):
+    from liger_kernel.transformers import rope as liger_rope_module
+
+    calls = []
+    real = liger_rope_module.liger_rotary_pos_emb
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(liger_rope_module, "liger_rotary_pos_emb", counting)
+    patched = build_model("llama")
+    other = build_model("llama")
+    _apply_liger_kernel_to_instance(patched, rms_norm=False, swiglu=False, fused_linear_cross_entropy=False)
+    batch = random_batch(VOCAB, seed=2)
+    other(**batch)
+    assert calls == []
+    patched(**batch)
+    assert len(calls) == patched.config.num_hidden_layers
+
+
+def test_with_global_overrides_rebuilds_decorator_chains():
+    import functools
+
+    def decorator(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return ("wrapped", fn(*args, **kwargs))
+
+        return wrapper
+
+    @decorator
+    def uses_global(x):
+        return inspect.isfunction(x)
+
+    rebound = with_global_overrides(uses_global, {"inspect": type("Fake", (), {"isfunction": staticmethod(str)})})
+    assert uses_global(1) == ("wrapped", False)
+    assert rebound(1) == ("wrapped", "1")
+    assert rebound.__wrapped__ is not uses_global.__wrapped__
+    assert with_global_overrides(uses_global, {"inspect": rebound.__wrapped__.__globals__["inspect"]}) is rebound
+
+
+def test_kwargs_filtering_drops_and_logs(caplog):
+    model = build_model("gemma")
+    with caplog.at_level(logging.WARNING, logger="liger_kernel"):
+        _apply_liger_kernel_to_instance(model, swiglu=True, not_a_kernel=1, rope=False)
+    assert "swiglu" in caplog.text and "not_a_kernel" in caplog.text
+    assert _bound_in_instance(model.model.norm)
+    assert not _bound_in_instance(model.model.layers[0].self_attn)  # rope=False was honoured
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="liger_kernel"):
+        _apply_liger_kernel("llama", geglu=True, rope=False)
+    assert "geglu" in caplog.text
+    assert isinstance(build_model("llama").model.norm, LigerRMSNorm)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="liger_kernel"):
+        _apply_liger_kernel("not_a_model")
+    assert "not_a_model" in caplog.text
+
+
+def test_instance_patch_checks_the_model_type():
+    with pytest.raises(ValueError, match="model_type"):
+        MODEL_TYPE_TO_APPLY_LIGER_FN["mistral"](model=build_model("llama"))
+
+
+@pytest.mark.parametrize("patch_level", ["class", "instance"])
+def test_unsupported_activation_keeps_the_hf_mlp(patch_level, caplog):
+    config = tiny_config("llama", hidden_act="gelu")
+    modeling = _modeling("llama")
+    with caplog.at_level(logging.WARNING, logger="liger_kernel"):
+        if patch_level == "class":
+            _apply_liger_kernel("llama")
+            model = build_model("llama", config=config)
+        else:
+            model = build_model("llama", config=config)
+            _apply_liger_kernel_to_instance(model)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp) is modeling.__dict__.get("LlamaMLP") or type(mlp).__name__ == "LlamaMLP"
+    assert not _bound_in_instance(mlp)
+    assert "hidden_act" in caplog.text
+
+
+@pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm"])
+def test_mixtral_experts_match_hf(experts_implementation):
+    config = tiny_config("mixtral", experts_implementation=experts_implementation)
+    reference = build_model("mixtral", config=config)
+    if reference.config._experts_implementation != experts_implementation:
+        pytest.skip(f"{experts_implementation} experts are not available here")
+    model = copy.deepcopy(reference)
+    _apply_liger_kernel_to_instance(model, rope=False, rms_norm=False, fused_linear_cross_entropy=False)
+    from liger_kernel.ops import swiglu as swiglu_ops
+
+    calls = []
+    real_apply = swiglu_ops.LigerSiLUMulFunction.apply
+
+    def counting(*args):
+        calls.append(1)
+        return real_apply(*args)
+
+    batch = random_batch(VOCAB, seed=4)
+    ref_loss, ref_grads = _loss_and_grads(reference, batch)
+    try:
+        swiglu_ops.LigerSiLUMulFunction.apply = counting
+        loss, grads = _loss_and_grads(model, batch)
+    finally:
+        swiglu_ops.LigerSiLUMulFunction.apply = real_apply
+    assert calls, "the Liger SiLU-mul kernel was not used"
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
+
+
+def test_peft_wrapper_is_unwrapped():
+    peft = pytest.importorskip("peft")
+    model = build_model("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    _apply_liger_kernel_to_instance(lora)
+    assert _bound_in_instance(model.model.norm)
+    assert _bound_in_instance(model)

@@ -1,0 +1,126 @@
+"""LigerRMSNorm against the Hugging Face norms it replaces (LlamaRMSNorm, GemmaRMSNorm, Qwen3RMSNorm).
+
+fp32: the Liger module and the HF module agree to fp32 tolerances in output and in the
+input and weight gradients. bf16: outputs agree to ~2 bf16 ulps (the fp32 rstd can differ
+in its last bit, flipping an occasional rounding) and gradients to bf16 tolerance scaled
+for the row and column reductions. The kernel math itself is tested in tests/ops.
+"""
+
+import types
+
+import pytest
+import torch
+
+from liger_kernel.transformers.rms_norm import LigerRMSNorm, liger_rms_norm
+from tests.utils import DEVICE, assert_close
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+
+HIDDEN = 123
+
+
+def liger_like(kind, hidden, dtype, eps=1e-6):
+    if kind == "gemma":
+        return LigerRMSNorm(hidden, eps=eps, offset=1.0, casting_mode="gemma", init_fn="zeros").to(DEVICE, dtype)
+    return LigerRMSNorm(hidden, eps=eps).to(DEVICE, dtype)
+
+
+def hf_like(kind, hidden, dtype, eps=1e-6):
+    cls = {"llama": LlamaRMSNorm, "qwen3": Qwen3RMSNorm, "gemma": GemmaRMSNorm}[kind]
+    return cls(hidden, eps=eps).to(DEVICE, dtype)
+
+
+def forward_backward(module, x, dy):
+    x = x.detach().clone().requires_grad_(True)
+    module.zero_grad()
+    y = module(x)
+    y.backward(dy.clone())  # a copy: the in-place backward overwrites it
+    return y.detach(), x.grad, module.weight.grad.clone()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 7, HIDDEN), (2, 5, 3, 64)])
+def test_matches_hf_module(kind, dtype, shape):
+    hidden = shape[-1]
+    ours, hf = liger_like(kind, hidden, dtype), hf_like(kind, hidden, dtype)
+    with torch.no_grad():
+        hf.weight.normal_(0.0 if kind == "gemma" else 1.0, 0.5)
+        ours.weight.copy_(hf.weight)
+    x = torch.randn(shape, device=DEVICE, dtype=dtype)
+    dy = torch.randn(shape, device=DEVICE, dtype=dtype)
+    y, dx, dw = forward_backward(ours, x, dy)
+    y_ref, dx_ref, dw_ref = forward_backward(hf, x, dy)
+    assert y.dtype == y_ref.dtype and dw.dtype == dw_ref.dtype
+    n_rows = x.numel() // hidden
+    assert_close(y, y_ref, msg="y")
+    assert_close(dx, dx_ref, scale=4, msg="dx")
+    # HF's bf16 dw is a bf16 sum over rows; ours is summed in fp32 and rounded once.
+    assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")
+
+
+def test_module_attributes():
+    norm = LigerRMSNorm(16, eps=1e-5)
+    assert "RMSNorm" in type(norm).__name__
+    assert isinstance(norm.weight, torch.nn.Parameter) and torch.equal(norm.weight, torch.ones(16))
+    assert norm.variance_epsilon == 1e-5 and norm.eps == 1e-5
+    norm.eps = 1e-3
+    assert norm.variance_epsilon == 1e-3
+    assert (norm.offset, norm.casting_mode, norm.in_place) == (0.0, "llama", True)
+    assert "casting_mode='llama'" in repr(norm) and "eps=0.001" in repr(norm)
+    gemma = LigerRMSNorm(16, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=False)
+    assert torch.equal(gemma.weight, torch.zeros(16)) and gemma.in_place is False
+    with pytest.raises(ValueError, match="init_fn"):
+        LigerRMSNorm(16, init_fn="normal")
+    with pytest.raises(ValueError, match="casting_mode"):
+        LigerRMSNorm(16, casting_mode="fp8")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_forward_bound_onto_hf_instance(kind):
+    """The patcher may bind LigerRMSNorm.forward onto HF norms (variance_epsilon or eps)."""
+    hf = hf_like(kind, HIDDEN, torch.float32, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.normal_(0.0, 0.5)
+    x = torch.randn(3, 4, HIDDEN, device=DEVICE)
+    dy = torch.randn(3, 4, HIDDEN, device=DEVICE)
+    expected = forward_backward(hf, x, dy)
+    if kind == "gemma":
+        hf.offset, hf.casting_mode = 1.0, "gemma"
+    hf.forward = types.MethodType(LigerRMSNorm.forward, hf)
+    got = forward_backward(hf, x, dy)
+    for name, a, e in zip(("y", "dx", "dw"), got, expected):
+        assert_close(a, e, scale=4, msg=name)
+
+
+def test_functional_matches_module():
+    norm = LigerRMSNorm(HIDDEN, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(5, HIDDEN, device=DEVICE)
+    assert torch.equal(liger_rms_norm(x, norm.weight, 1e-5), norm(x))
+
+
+def test_torch_compile_fullgraph():
+    """One compiled graph (the norm is an opaque custom op) matching eager, in-place backward included."""
+    norm = LigerRMSNorm(64, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    scale = torch.randn(2, 5, 64, device=DEVICE)
+
+    def loss_fn(x):
+        # (norm(x) * scale).sum() gives the norm a fresh, contiguous grad: the in-place path.
+        return (norm(x * 2.0) * scale).sum()
+
+    x = torch.randn(2, 5, 64, device=DEVICE, requires_grad=True)
+    eager = loss_fn(x)
+    eager_grads = torch.autograd.grad(eager, [x, norm.weight])
+    compiled = torch.compile(loss_fn, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled, [x, norm.weight])
+    # Inductor reorders the surrounding fp32 sum; the norm itself is the same kernel.
+    assert_close(compiled, eager, scale=10, msg="loss")
+    for name, a, e in zip(("dx", "dw"), compiled_grads, eager_grads):
+        assert_close(a, e, scale=4, msg=name)
