@@ -748,6 +748,14 @@ def _short(r: Row) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def sort_rows(rows: Sequence[Row], specs: Sequence[OpSpec]) -> list[Row]:
+    """Rows by op (in ``specs`` order), input size, mode and provider (the run order differs:
+    target shapes of all ops come first there)."""
+    op_rank = {s.name: i for i, s in enumerate(specs)}
+    return sorted(rows, key=lambda r: (op_rank.get(r.op, len(op_rank)), r.size, r.shape, MODES.index(r.mode),
+                                       PROVIDERS.index(r.provider)))
+
+
 def format_table(rows: Sequence[Row]) -> str:
     """All rows, one line each, grouped by op and shape."""
     header = ("op", "shape", "mode", "provider", "median_ms", "peak_MiB", "floor_ms", "eff", "vs_hf", "target")

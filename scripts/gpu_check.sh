@@ -35,6 +35,10 @@ budget=${GPU_CHECK_BUDGET_S:-570}
 e2e_script=benchmarks/e2e_training.py
 [ -f "$e2e_script" ] || run_e2e=0
 started=$SECONDS
+if [ "$run_tests" = 1 ] && [ "$run_bench" = 1 ]; then
+  echo "note: the full suite and the benchmarks rarely fit one ${budget}s call; the tests get what the" \
+    "later stages' reserves leave. For full runs: GPU_CHECK_BENCH=0 GPU_CHECK_E2E=0 first, then GPU_CHECK_TESTS=0." >&2
+fi
 
 remaining() { echo $((budget - (SECONDS - started))); }
 

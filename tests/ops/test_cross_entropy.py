@@ -33,15 +33,25 @@ def column_block(request, monkeypatch):
 
 
 def reference_cross_entropy(
-    logits, target, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
-    softcap=None, lse_square_scale=0.0,
+    logits,
+    target,
+    weight=None,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    reduction="mean",
+    softcap=None,
+    lse_square_scale=0.0,
 ):
     """(loss, z_loss, token_accuracy) in float64, by the definitions in the op's docstring."""
     raw = logits.double()
     x = softcap * torch.tanh(raw / softcap) if softcap else raw
     loss = F.cross_entropy(
-        x, target.long(), weight=None if weight is None else weight.double(), ignore_index=ignore_index,
-        label_smoothing=label_smoothing, reduction=reduction,
+        x,
+        target.long(),
+        weight=None if weight is None else weight.double(),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
     )
     counted = target != ignore_index
     z_rows = lse_square_scale * torch.logsumexp(x, dim=-1) ** 2 * counted
@@ -60,14 +70,22 @@ def assert_grad_close(actual, expected, dtype, msg="", tol_scale=1.0):
     tol = tolerance(dtype, tol_scale)
     scale = float(expected.abs().max()) or 1.0
     torch.testing.assert_close(
-        actual.double(), expected.double(), atol=tol["atol"] * scale, rtol=tol["rtol"], msg=lambda m: f"{msg}\n{m}"
+        actual.double(),
+        expected.double(),
+        atol=tol["atol"] * scale,
+        rtol=tol["rtol"],
+        msg=lambda m: f"{msg}\n{m}",
     )
 
 
 def assert_loss_close(actual, expected, n_rows, msg=""):
     # float32 accumulation over n_rows rows of O(log V) terms.
     torch.testing.assert_close(
-        actual.double(), expected.double(), atol=1e-5 * max(1, n_rows) ** 0.5, rtol=2e-5, msg=lambda m: f"{msg}\n{m}"
+        actual.double(),
+        expected.double(),
+        atol=1e-5 * max(1, n_rows) ** 0.5,
+        rtol=2e-5,
+        msg=lambda m: f"{msg}\n{m}",
     )
 
 
@@ -85,8 +103,19 @@ def upstream_for(loss):
     return torch.randn_like(loss) if loss.dim() else torch.rand((), device=loss.device) + 0.5
 
 
-def run_and_compare(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
-                    softcap=None, lse_square_scale=0.0, in_place=True, grad_tol_scale=1.0):
+def run_and_compare(
+    logits,
+    target,
+    *,
+    weight=None,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    reduction="mean",
+    softcap=None,
+    lse_square_scale=0.0,
+    in_place=True,
+    grad_tol_scale=1.0,
+):
     """Forward + backward of the kernel and of the reference; compares loss, z-loss, accuracy, grad."""
     ref_input = logits.detach().double().requires_grad_()
     ref_loss, ref_z, ref_acc = reference_cross_entropy(
@@ -97,8 +126,16 @@ def run_and_compare(logits, target, *, weight=None, ignore_index=-100, label_smo
 
     x = logits.detach().clone().requires_grad_()
     out = liger_cross_entropy(
-        x, target, weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=True, return_token_accuracy=True,
+        x,
+        target,
+        weight=weight,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        return_z_loss=True,
+        return_token_accuracy=True,
         in_place=in_place,
     )
     assert out.loss.dtype == torch.float32
@@ -129,8 +166,15 @@ def test_matches_torch(n_rows, n_cols, dtype, reduction, use_weight, label_smoot
 def test_softcap_and_z_loss(n_rows, n_cols, softcap, lse_square_scale, reduction, column_block):
     logits, target = make_inputs(n_rows, n_cols, torch.float32, scale=10.0)
     weight = torch.rand(n_cols, device=DEVICE) + 0.1
-    run_and_compare(logits, target, weight=weight, label_smoothing=0.05, reduction=reduction, softcap=softcap,
-                    lse_square_scale=lse_square_scale)
+    run_and_compare(
+        logits,
+        target,
+        weight=weight,
+        label_smoothing=0.05,
+        reduction=reduction,
+        softcap=softcap,
+        lse_square_scale=lse_square_scale,
+    )
 
 
 @pytest.mark.parametrize("ignore_index", [-100, 0, 5])
@@ -157,8 +201,16 @@ def test_all_ignored_gives_zero_loss_and_grad(reduction, dtype):
     logits = torch.randn(6, 513, device=DEVICE, dtype=dtype, requires_grad=True)
     target = torch.full((6,), -100, device=DEVICE)
     weight = torch.rand(513, device=DEVICE)
-    out = liger_cross_entropy(logits, target, weight=weight, reduction=reduction, label_smoothing=0.1,
-                              lse_square_scale=1e-3, return_z_loss=True, return_token_accuracy=True)
+    out = liger_cross_entropy(
+        logits,
+        target,
+        weight=weight,
+        reduction=reduction,
+        label_smoothing=0.1,
+        lse_square_scale=1e-3,
+        return_z_loss=True,
+        return_token_accuracy=True,
+    )
     out.loss.sum().backward()
     for value in out:
         assert torch.isfinite(value).all() and (value == 0).all()
@@ -262,7 +314,9 @@ def test_kernel_is_out_of_bounds_safe():
     logits = storage[1:-1]
     guard_before, guard_after = storage[0].clone(), storage[-1].clone()
     target = torch.tensor([3, 10, -5, 1 << 40], device=DEVICE)
-    loss, _, _, grad = cross_entropy_forward(logits, target, None, -100, 0.0, 0.0, 0.0, "none", True, True, False)
+    loss, _, _, grad = cross_entropy_forward(
+        logits, target, None, -100, 0.0, 0.0, 0.0, "none", True, True, False
+    )
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1:]).all()
     assert torch.equal(storage[0], guard_before) and torch.equal(storage[-1], guard_after)
     assert torch.isfinite(grad).all()
@@ -312,8 +366,15 @@ def test_torch_compile_fullgraph_matches_eager():
     weight = torch.rand(257, device=DEVICE)
 
     def fn(x, t):
-        return liger_cross_entropy(x * 2.0, t, weight=weight, label_smoothing=0.1, lse_square_scale=1e-3,
-                                   softcap=10.0, return_z_loss=True)
+        return liger_cross_entropy(
+            x * 2.0,
+            t,
+            weight=weight,
+            label_smoothing=0.1,
+            lse_square_scale=1e-3,
+            softcap=10.0,
+            return_z_loss=True,
+        )
 
     eager_x = logits.clone().requires_grad_()
     compiled_x = logits.clone().requires_grad_()
@@ -339,8 +400,18 @@ def test_torch_compile_fullgraph_matches_eager():
     ignore_fraction=st.sampled_from([0.0, 0.5, 1.0]),
     in_place=st.booleans(),
 )
-def test_property_random_options(n_rows, n_cols, dtype, reduction, use_weight, label_smoothing, softcap,
-                                 lse_square_scale, ignore_fraction, in_place):
+def test_property_random_options(
+    n_rows,
+    n_cols,
+    dtype,
+    reduction,
+    use_weight,
+    label_smoothing,
+    softcap,
+    lse_square_scale,
+    ignore_fraction,
+    in_place,
+):
     logits = (torch.randn(n_rows, n_cols, device=DEVICE) * 4).to(dtype)
     target = torch.randint(0, n_cols, (n_rows,), device=DEVICE)
     target[torch.rand(n_rows, device=DEVICE) < ignore_fraction] = -100
@@ -348,8 +419,16 @@ def test_property_random_options(n_rows, n_cols, dtype, reduction, use_weight, l
     if reduction == "mean" and bool((target == -100).all()):
         # torch's mean is NaN here; ours is 0 (documented), checked in the all-ignored test.
         target[0] = 0
-    run_and_compare(logits, target, weight=weight, label_smoothing=label_smoothing, reduction=reduction,
-                    softcap=softcap, lse_square_scale=lse_square_scale, in_place=in_place)
+    run_and_compare(
+        logits,
+        target,
+        weight=weight,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        lse_square_scale=lse_square_scale,
+        in_place=in_place,
+    )
 
 
 @pytest.mark.gpu_only
@@ -373,4 +452,3 @@ def test_past_int32_offsets():
     assert_grad_close(x.grad[tail], ref_input.grad, torch.bfloat16)
     del x, logits, loss
     torch.cuda.empty_cache()
-

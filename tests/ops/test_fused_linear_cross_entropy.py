@@ -26,17 +26,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
-from liger_kernel.ops.utils import is_interpreter
 from liger_kernel.ops.fused_linear_cross_entropy import (
     LigerFusedLinearCrossEntropyFunction,
     chunk_rows_for,
 )
+from liger_kernel.ops.utils import is_interpreter
 from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 from tests.ops.test_cross_entropy import assert_grad_close, assert_loss_close, reference_cross_entropy
 from tests.utils import DEVICE, FULL_SHAPES, shapes
 
 SHAPES = shapes(
-    small=[(37, 32, 1007), (5, 16, 2), (19, 64, 300)],
+    small=[(23, 32, 1007), (5, 16, 2), (19, 64, 300)],
     full=[(4099, 512, 32003), (1024, 4096, 128256), (257, 1024, 262144)],
 )
 
@@ -103,8 +103,10 @@ def chunked_low_precision_logits(x, lin_weight, bias):
     step = flce_ops.chunk_rows_for(n_rows, lin_weight.shape[0], x.element_size()) if n_rows else 1
     chunks = []
     for start in range(0, n_rows, step):
-        rows = x[start:start + step]
-        chunks.append(torch.matmul(rows, lin_weight.t()) if bias is None else torch.addmm(bias, rows, lin_weight.t()))
+        rows = x[start : start + step]
+        chunks.append(
+            torch.matmul(rows, lin_weight.t()) if bias is None else torch.addmm(bias, rows, lin_weight.t())
+        )
     return torch.cat(chunks) if chunks else x.new_empty((0, lin_weight.shape[0]))
 
 
@@ -120,11 +122,22 @@ def componentwise_bound_units(output_roundings):
 
 
 def make_upstream(loss):
-    return torch.randn_like(loss) if loss.dim() else torch.rand((), device=loss.device, dtype=loss.dtype) + 0.5
+    return (
+        torch.randn_like(loss) if loss.dim() else torch.rand((), device=loss.device, dtype=loss.dtype) + 0.5
+    )
 
 
-def run_and_compare(x, weight, bias, target, reduction="mean", use_class_weight=False, accum_dtype=None,
-                    requires=(True, True, True), **options):
+def run_and_compare(
+    x,
+    weight,
+    bias,
+    target,
+    reduction="mean",
+    use_class_weight=False,
+    accum_dtype=None,
+    requires=(True, True, True),
+    **options,
+):
     n_rows, vocab = x.shape[0], weight.shape[0]
     class_weight = torch.rand(vocab, device=DEVICE) + 0.1 if use_class_weight else None
     ref_options = dict(weight=class_weight, reduction=reduction, **options)
@@ -134,8 +147,16 @@ def run_and_compare(x, weight, bias, target, reduction="mean", use_class_weight=
     leaves = [t.detach().clone().requires_grad_(need) for t, need in zip(inputs, requires)]
     n_chunks = -(-n_rows // flce_ops.chunk_rows_for(n_rows, vocab, x.element_size())) if n_rows else 0
     out = liger_fused_linear_cross_entropy(
-        leaves[0], leaves[1], target, bias=leaves[2] if bias is not None else None, ce_weight=class_weight,
-        reduction=reduction, accum_dtype=accum_dtype, return_z_loss=True, return_token_accuracy=True, **options,
+        leaves[0],
+        leaves[1],
+        target,
+        bias=leaves[2] if bias is not None else None,
+        ce_weight=class_weight,
+        reduction=reduction,
+        accum_dtype=accum_dtype,
+        return_z_loss=True,
+        return_token_accuracy=True,
+        **options,
     )
     assert out.loss.dtype == torch.float32
     if any(t.requires_grad for t in leaves):
@@ -172,19 +193,25 @@ def test_matches_torch(n_rows, hidden, vocab, dtype, reduction, options, monkeyp
         monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda rows, cols, size: min(8, max(1, rows)))
     options = dict(OPTION_SETS[options])
     with_bias = options.pop("with_bias")
-    x, weight, bias, target = make_problem(n_rows, hidden, vocab, dtype, with_bias,
-                                           ignore_index=options.get("ignore_index", -100))
+    x, weight, bias, target = make_problem(
+        n_rows, hidden, vocab, dtype, with_bias, ignore_index=options.get("ignore_index", -100)
+    )
     run_and_compare(x, weight, bias, target, reduction=reduction, **options)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("requires", [(False, True, True), (True, False, False), (False, False, True)],
-                         ids=["input_no_grad", "frozen_weight_and_bias", "bias_only"])
+@pytest.mark.parametrize(
+    "requires",
+    [(False, True, True), (True, False, False), (False, False, True)],
+    ids=["input_no_grad", "frozen_weight_and_bias", "bias_only"],
+)
 def test_partial_grads(reduction, requires, monkeypatch, four_row_chunks):
     x, weight, bias, target = make_problem(11, 24, 301, torch.float32, True)
     if not requires[1]:
+
         def fail(*args):
             raise AssertionError("dW must not be computed for a frozen weight")
+
         monkeypatch.setattr(flce_ops, "_accumulate_grad_weight", fail)
     run_and_compare(x, weight, bias, target, reduction=reduction, label_smoothing=0.1, requires=requires)
 
@@ -237,9 +264,16 @@ def test_all_ignored_gives_zero_loss_and_grads(reduction, four_row_chunks):
     x, weight, bias, target = make_problem(7, 16, 100, torch.float32, True)
     target.fill_(-100)
     leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
-    out = liger_fused_linear_cross_entropy(*leaves[:2], target, bias=leaves[2], reduction=reduction,
-                                           label_smoothing=0.1, lse_square_scale=1e-3, return_z_loss=True,
-                                           return_token_accuracy=True)
+    out = liger_fused_linear_cross_entropy(
+        *leaves[:2],
+        target,
+        bias=leaves[2],
+        reduction=reduction,
+        label_smoothing=0.1,
+        lse_square_scale=1e-3,
+        return_z_loss=True,
+        return_token_accuracy=True,
+    )
     out.loss.sum().backward()
     for value in out:
         assert torch.isfinite(value).all() and (value == 0).all()
@@ -313,7 +347,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="hidden size"):
         liger_fused_linear_cross_entropy(x, weight[:, :7], target)
     with pytest.raises(TypeError, match="same dtype"):
-        liger_fused_linear_cross_entropy(x, weight.double(), target)
+        liger_fused_linear_cross_entropy(x, weight.bfloat16(), target)
     with pytest.raises(ValueError, match="bias"):
         liger_fused_linear_cross_entropy(x, weight, target, bias=bias[:9])
     with pytest.raises(ValueError, match="outside"):
@@ -371,14 +405,34 @@ def test_torch_compile_fullgraph_matches_eager(four_row_chunks):
     softcap=st.sampled_from([None, 8.0]),
     lse_square_scale=st.sampled_from([0.0, 1e-2]),
 )
-def test_property_random_options(n_rows, hidden, vocab, chunk, dtype, reduction, with_bias, use_class_weight,
-                                 label_smoothing, softcap, lse_square_scale):
+def test_property_random_options(
+    n_rows,
+    hidden,
+    vocab,
+    chunk,
+    dtype,
+    reduction,
+    with_bias,
+    use_class_weight,
+    label_smoothing,
+    softcap,
+    lse_square_scale,
+):
     original = flce_ops.chunk_rows_for
     flce_ops.chunk_rows_for = lambda rows, cols, size: max(1, min(chunk, rows))
     try:
         x, weight, bias, target = make_problem(n_rows, hidden, vocab, dtype, with_bias)
-        run_and_compare(x, weight, bias, target, reduction=reduction, use_class_weight=use_class_weight,
-                        label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale)
+        run_and_compare(
+            x,
+            weight,
+            bias,
+            target,
+            reduction=reduction,
+            use_class_weight=use_class_weight,
+            label_smoothing=label_smoothing,
+            softcap=softcap,
+            lse_square_scale=lse_square_scale,
+        )
     finally:
         flce_ops.chunk_rows_for = original
 
@@ -399,7 +453,9 @@ def test_peak_memory_within_floor():
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - base
     floor = (vocab * hidden + n_rows * hidden) * 2
-    assert peak_extra <= 1.10 * floor, f"peak extra {peak_extra / 2**20:.0f} MiB vs floor {floor / 2**20:.0f} MiB"
+    assert peak_extra <= 1.10 * floor, (
+        f"peak extra {peak_extra / 2**20:.0f} MiB vs floor {floor / 2**20:.0f} MiB"
+    )
 
 
 @pytest.mark.gpu_only

@@ -1,12 +1,13 @@
 """Gradient checkpointing of patched models: the same loss and gradients as without it.
 
-``model.gradient_checkpointing_enable()`` makes every decoder layer drop its activations
-and recompute them in the backward, so each patched kernel in a layer (RMSNorm, RoPE,
-SwiGLU/GEGLU) runs its forward twice and its backward once on the recomputed tensors. A
-kernel whose backward relied on state left by a previous forward, or that wrote into a
-tensor autograd saved, would give different gradients. We train one step of a tiny model
-of each family four ways (unpatched / patched, with / without checkpointing, both
-checkpoint implementations) from the same initialisation and batch.
+``model.gradient_checkpointing_enable()`` (``activation_checkpointing_enable()`` in newer
+transformers) makes every decoder layer drop its activations and recompute them in the
+backward, so each patched kernel in a layer (RMSNorm, RoPE, SwiGLU/GEGLU) runs its forward
+twice and its backward once on the recomputed tensors. A kernel whose backward relied on
+state left by a previous forward, or that wrote into a tensor autograd saved (the in-place
+RMSNorm backward), would give different gradients. From the same initialisation and batch
+we train one step of a tiny model of each family three ways - unpatched, patched, patched
+with checkpointing - for both checkpoint implementations (reentrant and not).
 
 Tolerances (fp32): the patched model with checkpointing repeats exactly the computation of
 the patched model without it (same kernels, same inputs, deterministic reductions), so we
@@ -28,6 +29,19 @@ pytest.importorskip("transformers")
 FAMILIES = shapes(small=["llama", "qwen3"], full=[m for m in MODEL_TYPES if m not in ("llama", "qwen3")])
 
 
+def _enable_checkpointing(model, use_reentrant: bool) -> None:
+    """Checkpoint every decoder layer; ``activation_checkpointing_enable`` is the name from
+    transformers 5.2x on, where ``gradient_checkpointing_enable`` became a deprecated alias
+    (the only name on 5.17)."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        assert model.is_activation_checkpointing
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        assert model.is_gradient_checkpointing
+
+
 def _loss_and_grads(model_type: str, patched: bool, checkpointing: bool, use_reentrant: bool, batch: dict):
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -35,8 +49,7 @@ def _loss_and_grads(model_type: str, patched: bool, checkpointing: bool, use_ree
     if patched:
         _apply_liger_kernel_to_instance(model=model)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-        assert model.is_gradient_checkpointing
+        _enable_checkpointing(model, use_reentrant)
     model.train()
     loss = model(**batch).loss
     loss.backward()

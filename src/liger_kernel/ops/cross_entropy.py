@@ -40,7 +40,7 @@ the loss is float32 for every logits dtype; a ``"mean"`` over a batch whose targ
 all ignored is 0 with zero gradients (torch gives NaN); class weights get no gradient.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -78,8 +78,8 @@ class CrossEntropyOutput(NamedTuple):
     """
 
     loss: torch.Tensor
-    z_loss: Optional[torch.Tensor] = None
-    token_accuracy: Optional[torch.Tensor] = None
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
 
 
 @triton.jit
@@ -265,8 +265,8 @@ def launch_cross_entropy_kernel(
     logits: torch.Tensor,
     grad: torch.Tensor,
     target: torch.Tensor,
-    class_weight: Optional[torch.Tensor],
-    row_scale: Optional[torch.Tensor],
+    class_weight: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
     loss_rows: torch.Tensor,
     z_rows: torch.Tensor,
     correct_rows: torch.Tensor,
@@ -327,7 +327,7 @@ def launch_cross_entropy_kernel(
 
 
 def mean_denominators(
-    target: torch.Tensor, class_weight: Optional[torch.Tensor], ignore_index: int, n_cols: int
+    target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int, n_cols: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Device scalars ``(D_ce, D_z, n_counted)`` for the mean, computed without a host sync.
 
@@ -357,9 +357,7 @@ def _writes_in_place(logits: torch.Tensor, in_place: bool) -> bool:
     return in_place and logits.stride(1) == 1 and (n_rows <= 1 or logits.stride(0) >= n_cols)
 
 
-def _reduce(
-    rows: torch.Tensor, reduction: str, n_counted: Optional[torch.Tensor] = None
-) -> torch.Tensor:
+def _reduce(rows: torch.Tensor, reduction: str, n_counted: torch.Tensor | None = None) -> torch.Tensor:
     if reduction == "none":
         return rows
     total = rows.sum()
@@ -372,7 +370,7 @@ def _reduce(
 def cross_entropy_forward(
     logits: torch.Tensor,
     target: torch.Tensor,
-    class_weight: Optional[torch.Tensor],
+    class_weight: torch.Tensor | None,
     ignore_index: int,
     label_smoothing: float,
     lse_square_scale: float,
@@ -435,8 +433,17 @@ def cross_entropy_forward(
 
 @cross_entropy_forward.register_fake
 def _cross_entropy_forward_fake(
-    logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
-    compute_grad, compute_accuracy, in_place,
+    logits,
+    target,
+    class_weight,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    reduction,
+    compute_grad,
+    compute_accuracy,
+    in_place,
 ):
     n_rows, n_cols = logits.shape
     reduced_shape = (n_rows,) if reduction == "none" else ()
@@ -448,7 +455,9 @@ def _cross_entropy_forward_fake(
     return (*reduced, grad)
 
 
-def check_target(target: torch.Tensor, n_rows: int, n_cols: int, ignore_index: int, name: str = "target") -> None:
+def check_target(
+    target: torch.Tensor, n_rows: int, n_cols: int, ignore_index: int, name: str = "target"
+) -> None:
     """Shape/dtype checks for class-index targets, plus the value range (one host sync).
 
     The value check is skipped while ``torch.compile`` traces, where it would break the
@@ -472,7 +481,7 @@ def check_target(target: torch.Tensor, n_rows: int, n_cols: int, ignore_index: i
 
 
 def check_loss_options(
-    reduction: str, label_smoothing: float, lse_square_scale: float, softcap: Optional[float]
+    reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None
 ) -> float:
     """Validate the scalar options shared by both losses; returns softcap as a float (0 = none)."""
     if reduction not in REDUCTIONS:
@@ -488,7 +497,7 @@ def check_loss_options(
     return float(softcap)
 
 
-def check_class_weight(class_weight: Optional[torch.Tensor], n_cols: int, name: str = "weight") -> None:
+def check_class_weight(class_weight: torch.Tensor | None, n_cols: int, name: str = "weight") -> None:
     if class_weight is None:
         return
     check_float_dtype(class_weight, name)
@@ -524,12 +533,12 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         ctx,
         logits: torch.Tensor,
         target: torch.Tensor,
-        weight: Optional[torch.Tensor] = None,
+        weight: torch.Tensor | None = None,
         ignore_index: int = -100,
         lse_square_scale: float = 0.0,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
-        softcap: Optional[float] = None,
+        softcap: float | None = None,
         return_token_accuracy: bool = False,
         in_place: bool = True,
     ):

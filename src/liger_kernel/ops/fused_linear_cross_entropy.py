@@ -28,7 +28,6 @@ Memory beyond the gradients themselves: the (C, V) chunk buffer plus O(N + V).
 """
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -66,7 +65,7 @@ def chunk_rows_for(n_rows: int, n_cols: int, element_size: int) -> int:
     return max(1, min(rows, n_rows))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``addmm(out_dtype=float32, out=acc)`` accumulates low-precision products in place here.
 
@@ -84,7 +83,9 @@ def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _accumulate_grad_weight(grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor) -> None:
+def _accumulate_grad_weight(
+    grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor
+) -> None:
     """``grad_weight += grad_chunk^T @ x_chunk`` in place, without a dW-sized temporary."""
     if grad_weight.dtype == grad_chunk.dtype:
         grad_weight.addmm_(grad_chunk.t(), x_chunk)
@@ -105,9 +106,9 @@ def _chunked_loss_and_grads(
     x: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    class_weight: Optional[torch.Tensor],
-    row_scale: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
     ignore_index: int,
     label_smoothing: float,
     lse_square_scale: float,
@@ -136,9 +137,13 @@ def _chunked_loss_and_grads(
     grad_input = torch.empty_like(x) if grad_input_needed else x.new_empty((0,))
     weight_accum_dtype = torch.float32 if accum_fp32 else weight.dtype
     grad_weight = (
-        torch.zeros(weight.shape, device=device, dtype=weight_accum_dtype) if grad_weight_needed else x.new_empty((0,))
+        torch.zeros(weight.shape, device=device, dtype=weight_accum_dtype)
+        if grad_weight_needed
+        else x.new_empty((0,))
     )
-    grad_bias = torch.zeros(n_cols, device=device, dtype=torch.float32) if grad_bias_needed else x.new_empty((0,))
+    grad_bias = (
+        torch.zeros(n_cols, device=device, dtype=torch.float32) if grad_bias_needed else x.new_empty((0,))
+    )
     compute_grad = grad_input_needed or grad_weight_needed or grad_bias_needed
 
     if n_rows > 0:
@@ -197,8 +202,8 @@ def fused_linear_cross_entropy_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    class_weight: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
     ignore_index: int,
     label_smoothing: float,
     lse_square_scale: float,
@@ -218,12 +223,32 @@ def fused_linear_cross_entropy_forward(
     :func:`fused_linear_cross_entropy_backward`). Arguments are trusted.
     """
     with torch.autocast(device_type=x.device.type, enabled=False):
-        loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias = _chunked_loss_and_grads(
-            x, weight, target, bias, class_weight, None, ignore_index, label_smoothing, lse_square_scale, softcap,
-            reduction == "mean", compute_accuracy, grad_input_needed, grad_weight_needed, grad_bias_needed,
-            accum_fp32,
+        loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias = (
+            _chunked_loss_and_grads(
+                x,
+                weight,
+                target,
+                bias,
+                class_weight,
+                None,
+                ignore_index,
+                label_smoothing,
+                lse_square_scale,
+                softcap,
+                reduction == "mean",
+                compute_accuracy,
+                grad_input_needed,
+                grad_weight_needed,
+                grad_bias_needed,
+                accum_fp32,
+            )
         )
-    return (*_reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction), grad_input, grad_weight, grad_bias)
+    return (
+        *_reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction),
+        grad_input,
+        grad_weight,
+        grad_bias,
+    )
 
 
 def _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed):
@@ -236,8 +261,21 @@ def _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bia
 
 @fused_linear_cross_entropy_forward.register_fake
 def _fused_linear_cross_entropy_forward_fake(
-    x, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
-    compute_accuracy, grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+    x,
+    weight,
+    target,
+    bias,
+    class_weight,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    reduction,
+    compute_accuracy,
+    grad_input_needed,
+    grad_weight_needed,
+    grad_bias_needed,
+    accum_fp32,
 ):
     shape = (x.shape[0],) if reduction == "none" else ()
     losses = [x.new_empty(shape, dtype=torch.float32) for _ in range(3)]
@@ -250,8 +288,8 @@ def fused_linear_cross_entropy_backward(
     x: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    class_weight: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
     ignore_index: int,
     label_smoothing: float,
     lse_square_scale: float,
@@ -269,16 +307,42 @@ def fused_linear_cross_entropy_backward(
     grad_rows = grad_rows.to(torch.float32).contiguous()
     with torch.autocast(device_type=x.device.type, enabled=False):
         *_, grad_input, grad_weight, grad_bias = _chunked_loss_and_grads(
-            x, weight, target, bias, class_weight, grad_rows, ignore_index, label_smoothing, lse_square_scale,
-            softcap, False, False, grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+            x,
+            weight,
+            target,
+            bias,
+            class_weight,
+            grad_rows,
+            ignore_index,
+            label_smoothing,
+            lse_square_scale,
+            softcap,
+            False,
+            False,
+            grad_input_needed,
+            grad_weight_needed,
+            grad_bias_needed,
+            accum_fp32,
         )
     return grad_input, grad_weight, grad_bias
 
 
 @fused_linear_cross_entropy_backward.register_fake
 def _fused_linear_cross_entropy_backward_fake(
-    grad_rows, x, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-    grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+    grad_rows,
+    x,
+    weight,
+    target,
+    bias,
+    class_weight,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    grad_input_needed,
+    grad_weight_needed,
+    grad_bias_needed,
+    accum_fp32,
 ):
     return _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed)
 
@@ -331,27 +395,34 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         _input: torch.Tensor,
         weight: torch.Tensor,
         target: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
-        ce_weight: Optional[torch.Tensor] = None,
+        bias: torch.Tensor | None = None,
+        ce_weight: torch.Tensor | None = None,
         ignore_index: int = -100,
         lse_square_scale: float = 0.0,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
-        softcap: Optional[float] = None,
+        softcap: float | None = None,
         return_token_accuracy: bool = False,
-        accum_dtype: Optional[torch.dtype] = None,
+        accum_dtype: torch.dtype | None = None,
     ):
         _check_linear_args(_input, weight, bias, accum_dtype)
         n_rows, n_cols = _input.shape[0], weight.shape[0]
         check_same_device(
-            [("input", _input), ("weight", weight), ("target", target), ("bias", bias), ("ce_weight", ce_weight)]
+            [
+                ("input", _input),
+                ("weight", weight),
+                ("target", target),
+                ("bias", bias),
+                ("ce_weight", ce_weight),
+            ]
         )
         check_class_weight(ce_weight, n_cols, "ce_weight")
         softcap_value = check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
         check_target(target, n_rows, n_cols, ignore_index)
         x = _input.contiguous()
         accum_fp32 = accum_dtype == torch.float32 and weight.dtype != torch.float32
-        needs_input, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
+        # needs_input_grad covers only the arguments given to apply (bias may be omitted).
+        needs_input, needs_weight, _, needs_bias = (tuple(ctx.needs_input_grad) + (False,) * 4)[:4]
         needs_bias = bool(needs_bias) and bias is not None
         options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), softcap_value)
         in_forward = reduction != "none"
@@ -385,14 +456,27 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         needs_input, needs_weight, needs_bias = ctx.needs
         if ctx.reduction != "none":
             grad_input, grad_weight, grad_bias = ctx.saved_tensors
-            for grad, needed in ((grad_input, needs_input), (grad_weight, needs_weight), (grad_bias, needs_bias)):
+            for grad, needed in (
+                (grad_input, needs_input),
+                (grad_weight, needs_weight),
+                (grad_bias, needs_bias),
+            ):
                 if needed:
                     grad.mul_(grad_loss)
         else:
             x, weight, target, bias, ce_weight = ctx.saved_tensors
             grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_backward(
-                grad_loss, x, weight, target, bias, ce_weight, *ctx.options,
-                needs_input, needs_weight, needs_bias, ctx.accum_fp32,
+                grad_loss,
+                x,
+                weight,
+                target,
+                bias,
+                ce_weight,
+                *ctx.options,
+                needs_input,
+                needs_weight,
+                needs_bias,
+                ctx.accum_fp32,
             )
         return (
             grad_input if needs_input else None,

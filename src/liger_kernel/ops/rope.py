@@ -43,7 +43,7 @@ of dimensions in memory), so views/transposes around the call stay free.
 """
 
 import itertools
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import triton
@@ -250,7 +250,7 @@ def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order):
 # --------------------------------------------------------------------------------------
 
 
-def _as_table(x: torch.Tensor, name: str, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+def _as_table(x: torch.Tensor, name: str, position_ids: torch.Tensor | None) -> torch.Tensor:
     if x.dim() == 2:
         # A (max_positions, R) table: gathered by position_ids when given, else (T, R).
         x = x[position_ids] if position_ids is not None else x.unsqueeze(0)
@@ -276,9 +276,6 @@ def canonicalize_rope_args(q: object, k: object, cos: object, sin: object, posit
         layout = "(B, H, T, D)" if unsqueeze_dim == 1 else "(B, T, H, D)"
         raise ValueError(f"q and k must be 4-D {layout}, got q: {tuple(q.shape)}, k: {tuple(k.shape)}")
     check_same_device([("q", q), ("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)])
-    if cos.requires_grad or sin.requires_grad:
-        if torch.is_grad_enabled():
-            raise ValueError("cos and sin must not require grad: the Liger RoPE kernel treats them as constants")
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     batch, _, seq_len, head_dim = q.shape
@@ -310,8 +307,10 @@ class LigerRopeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None, unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+                position_ids: torch.Tensor | None = None, unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
         q_c, k_c, cos_c, sin_c = canonicalize_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            raise ValueError("cos and sin must not require grad: the Liger RoPE kernel treats them as constants")
         q_order, k_order = memory_order(q_c), memory_order(k_c)
         q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order)
         ctx.save_for_backward(cos_c, sin_c)

@@ -50,8 +50,9 @@ fails loudly in autograd instead of reading the overwritten values.
 Empty inputs give empty outputs and gradients.
 """
 
+import math
 from types import SimpleNamespace
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import triton
@@ -181,6 +182,10 @@ def check_gated_args(a: object, b: object) -> None:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (N, I) rows with unit column stride (a view unless x cannot be flattened)."""
+    if x.numel() == 0:
+        # Nothing to read or write; as_rows cannot infer N when I == 0.
+        return x.new_empty((math.prod(x.shape[:-1]), x.shape[-1]))
     return as_rows(x)
 
 
@@ -193,13 +198,22 @@ def _self_disjoint(rows: torch.Tensor) -> bool:
 def _mutually_disjoint(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Conservative test that the (N, I) views ``x`` and ``y`` share no element.
 
-    Different storages never overlap. Within one storage we recognise views with equal row
-    stride S whose rows sit at different column offsets of each period of S, which covers
-    the two halves of a fused ``gate_up`` projection; anything else counts as overlapping.
+    Different storages, or disjoint address ranges in one storage, never overlap. Within
+    interleaved ranges we recognise views with equal row stride S whose rows sit at
+    different column offsets of each period of S, which covers the two halves of a fused
+    ``gate_up`` projection; anything else counts as overlapping.
     """
     if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
         return True
     n_rows, n_cols = x.shape
+
+    def extent(v: torch.Tensor) -> tuple[int, int]:
+        start = v.storage_offset()
+        return start, start + (n_rows - 1) * v.stride(0) + n_cols
+
+    (x_start, x_end), (y_start, y_end) = extent(x), extent(y)
+    if x_end <= y_start or y_end <= x_start:
+        return True
     shift = y.storage_offset() - x.storage_offset()
     if n_rows <= 1:
         return abs(shift) >= n_cols
@@ -227,8 +241,8 @@ def gated_activation_forward(a: torch.Tensor, b: torch.Tensor, activation: int) 
 
 
 def gated_activation_backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: int,
-                              da_rows: Optional[torch.Tensor] = None,
-                              db_rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                              da_rows: torch.Tensor | None = None,
+                              db_rows: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel; returns ``(da, db)`` as (N, I) row views.
 
     ``da_rows``/``db_rows`` are the (N, I) destinations (e.g. a's and b's own rows for the

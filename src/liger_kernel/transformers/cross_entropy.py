@@ -4,7 +4,7 @@ See :mod:`liger_kernel.ops.cross_entropy` for the math and memory behaviour: by 
 the gradient is written over the input logits, which must not be reused afterwards.
 """
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from torch import nn
@@ -17,12 +17,12 @@ __all__ = ["CrossEntropyOutput", "LigerCrossEntropyLoss", "liger_cross_entropy"]
 def liger_cross_entropy(
     input: torch.Tensor,
     target: torch.Tensor,
-    weight: Optional[torch.Tensor] = None,
+    weight: torch.Tensor | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     lse_square_scale: float = 0.0,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     in_place: bool = True,
@@ -76,12 +76,12 @@ class LigerCrossEntropyLoss(nn.Module):
 
     def __init__(
         self,
-        weight: Optional[torch.Tensor] = None,
+        weight: torch.Tensor | None = None,
         ignore_index: int = -100,
         lse_square_scale: float = 0.0,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
-        softcap: Optional[float] = None,
+        softcap: float | None = None,
         return_z_loss: bool = False,
         return_token_accuracy: bool = False,
         in_place: bool = True,

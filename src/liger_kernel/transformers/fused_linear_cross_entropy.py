@@ -4,7 +4,7 @@ See :mod:`liger_kernel.ops.fused_linear_cross_entropy` for the chunking and the 
 bound, and :mod:`liger_kernel.ops.cross_entropy` for the loss definitions.
 """
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from torch import nn
@@ -29,15 +29,15 @@ def liger_fused_linear_cross_entropy(
     input: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    ce_weight: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
+    ce_weight: torch.Tensor | None = None,
     ignore_index: int = -100,
     lse_square_scale: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     return_z_loss: bool = False,
-    accum_dtype: Optional[torch.dtype] = None,
+    accum_dtype: torch.dtype | None = None,
     return_token_accuracy: bool = False,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """``F.cross_entropy(input @ weight.T + bias, target, ...)`` without materialising the logits.
@@ -84,14 +84,14 @@ class LigerFusedLinearCrossEntropyLoss(nn.Module):
 
     def __init__(
         self,
-        ce_weight: Optional[torch.Tensor] = None,
+        ce_weight: torch.Tensor | None = None,
         ignore_index: int = -100,
         lse_square_scale: float = 0.0,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
-        softcap: Optional[float] = None,
+        softcap: float | None = None,
         return_z_loss: bool = False,
-        accum_dtype: Optional[torch.dtype] = None,
+        accum_dtype: torch.dtype | None = None,
         return_token_accuracy: bool = False,
     ) -> None:
         super().__init__()
@@ -110,7 +110,7 @@ class LigerFusedLinearCrossEntropyLoss(nn.Module):
         lin_weight: torch.Tensor,
         _input: torch.Tensor,
         target: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
+        bias: torch.Tensor | None = None,
     ) -> Union[torch.Tensor, CrossEntropyOutput]:
         return liger_fused_linear_cross_entropy(
             _input,

@@ -1,0 +1,91 @@
+"""SwiGLU MLPs: drop-ins for Hugging Face ``LlamaMLP`` (and Mistral/Qwen2/Qwen3) and ``Phi3MLP``.
+
+Both compute ``down_proj(silu(gate) * up)`` with the gating in one Triton kernel
+(:class:`liger_kernel.ops.swiglu.LigerSiLUMulFunction`): silu in fp32, rounded once to the
+input dtype, where HF rounds ``silu(gate)`` and the product separately (at most about one
+output ulp apart). The backward recomputes silu from the saved gate and up projections and,
+with ``in_place=True`` (the default here), writes their gradients over those two temporaries
+instead of allocating new ones. Needs only torch and triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+from liger_kernel.transformers.families import SILU_ACTIVATIONS
+
+
+def liger_swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``silu(a) * b`` for ``a``, ``b`` of one shape (..., I) and dtype.
+
+    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients; only
+    pass it when nothing else uses them afterwards (see :mod:`liger_kernel.ops.swiglu`).
+    """
+    return LigerSiLUMulFunction.apply(a, b, in_place)
+
+
+def _check_activation(config: Any, accepted: tuple[str, ...], cls_name: str, attr: str = "hidden_act") -> str:
+    activation = getattr(config, attr, None)
+    if activation not in accepted:
+        raise ValueError(f"{cls_name} computes silu(gate) * up; config.{attr}={activation!r} is not one of {accepted}")
+    return activation
+
+
+class LigerSwiGLUMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, a drop-in for HF's ``LlamaMLP``.
+
+    Args:
+        config: any config with ``hidden_size``, ``intermediate_size`` and ``hidden_act`` in
+            ("silu", "swish"); ``mlp_bias`` (default False) adds biases to the three projections.
+        in_place: let the backward write the gate/up gradients over the gate/up activations.
+
+    Attributes match ``LlamaMLP`` (``config``, ``hidden_size``, ``intermediate_size``,
+    ``gate_proj``, ``up_proj``, ``down_proj``), so HF state dicts load unchanged. Raises
+    ``ValueError`` for any other activation.
+    """
+
+    def __init__(self, config: Any, in_place: bool = True) -> None:
+        super().__init__()
+        _check_activation(config, SILU_ACTIVATIONS, type(self).__name__)
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Attributes are read off ``self`` only, so this forward can be bound onto an HF MLP.
+        gated = LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x), getattr(self, "in_place", True))
+        return self.down_proj(gated)
+
+
+class LigerPhi3SwiGLUMLP(nn.Module):
+    """Phi-3's MLP with one fused projection: ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate first).
+
+    ``down_proj(silu(gate) * up)``. The two halves are passed to the kernel as strided views
+    of the fused output, without copying. Attributes: ``config``, ``hidden_size``,
+    ``intermediate_size``, ``gate_up_proj`` (hidden -> 2 * intermediate, no bias) and
+    ``down_proj`` (no bias), as ``Phi3MLP``. Raises ``ValueError`` unless
+    ``config.hidden_act`` is "silu" or "swish".
+    """
+
+    def __init__(self, config: Any, in_place: bool = True) -> None:
+        super().__init__()
+        _check_activation(config, SILU_ACTIVATIONS, type(self).__name__)
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(self.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.in_place = in_place
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        return self.down_proj(LigerSiLUMulFunction.apply(gate, up, getattr(self, "in_place", True)))

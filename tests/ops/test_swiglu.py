@@ -1,0 +1,248 @@
+"""LigerSiLUMulFunction (and the gated-activation kernels it shares with GeGLU) against float64.
+
+Reference: ``silu(a) * b`` in float64 on the same (rounded) inputs, differentiated by autograd;
+``hf_swiglu`` is Hugging Face's ``act_fn(gate) * up`` computed in the input dtype.
+
+Tolerances: fp32 outputs and gradients are one fp32 rounding (plus the kernel's ~1e-7
+sigmoid error) from float64, so the default fp32 tolerance (1e-5) holds. In bf16/fp16 the
+kernel rounds each output once (unit roundoff 2**-8 / 2**-11), so ``tolerance(dtype)`` (about
+two output ulps) holds, and over many elements our norm-wise distance to float64 must not
+exceed HF's own (which rounds the activation and the product separately).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+from tests.utils import DEVICE, assert_close, rel_error, shapes
+
+# Full leading shapes (..., I): one row, a ragged number of rows, a 3-D input, a hidden size
+# that spans two column tiles (GATED_MAX_BLOCK_COLS = 1024) with a ragged second one.
+SHAPES = shapes(
+    small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (2, 3, 37), (3, 1100)],
+    full=[(rows, hidden) for rows in (1, 3, 1007) for hidden in (1, 123, 4231)] + [(4, 512, 14336)],
+)
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+
+
+def exact_swiglu(a, b):
+    return F.silu(a) * b
+
+
+def hf_swiglu(a, b):
+    return F.silu(a) * b  # LlamaMLP: self.act_fn(self.gate_proj(x)) * self.up_proj(x), in the input dtype
+
+
+def gated_run(fn, a, b, dh, *args):
+    """(h, da, db) of ``fn(a, b, *args)`` on leaf copies of a and b, upstream gradient dh."""
+    a = a.detach().clone().requires_grad_(True)
+    b = b.detach().clone().requires_grad_(True)
+    h = fn(a, b, *args)
+    h.backward(dh)
+    return h.detach(), a.grad, b.grad
+
+
+def gated_reference(exact_fn, a, b, dh):
+    """(h, da, db) in float64 on the given (already rounded) inputs."""
+    return gated_run(exact_fn, a.double(), b.double(), dh.double())
+
+
+def make_inputs(shape, dtype, scale=2.0):
+    a = torch.randn(shape, device=DEVICE, dtype=torch.float32) * scale
+    b = torch.randn(shape, device=DEVICE, dtype=torch.float32)
+    dh = torch.randn(shape, device=DEVICE, dtype=torch.float32)
+    return a.to(dtype), b.to(dtype), dh.to(dtype)
+
+
+def check_against_reference(function, exact_fn, hf_fn, shape, dtype, in_place=False):
+    a, b, dh = make_inputs(shape, dtype)
+    got = gated_run(function.apply, a, b, dh, in_place)
+    want = gated_reference(exact_fn, a, b, dh)
+    for name, x, y in zip(("h", "da", "db"), got, want):
+        assert x.dtype == dtype and x.shape == torch.Size(shape), name
+        assert_close(x, y, dtype=dtype, msg=name)
+    if dtype != torch.float32 and a.numel() >= 1000:
+        hf = gated_run(hf_fn, a, b, dh)
+        for name, x, h, y in zip(("h", "da", "db"), got, hf, want):
+            assert rel_error(x, y) <= rel_error(h, y) * 1.05 + 1e-7, f"{name}: further from float64 than HF"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64(shape, dtype):
+    check_against_reference(LigerSiLUMulFunction, exact_swiglu, hf_swiglu, shape, dtype)
+
+
+@pytest.mark.parametrize("shape", shapes(small=[(37, 123)], full=[(1007, 4231)]))
+def test_fp16(shape):
+    check_against_reference(LigerSiLUMulFunction, exact_swiglu, hf_swiglu, shape, torch.float16)
+
+
+def test_saturated_inputs_have_exact_limits():
+    # silu(x) -> x for x -> +inf and -> 0 for x -> -inf; so do the gradients (1 and 0).
+    a = torch.tensor([-1e4, -100.0, -30.0, 0.0, 30.0, 100.0, 1e4], device=DEVICE)
+    b = torch.full_like(a, 3.0)
+    got = gated_run(LigerSiLUMulFunction.apply, a, b, torch.ones_like(a))
+    want = gated_reference(exact_swiglu, a, b, torch.ones_like(a))
+    for x, y in zip(got, want):
+        assert torch.isfinite(x).all()
+        assert_close(x, y, dtype=torch.float32)
+
+
+def fused_halves(lead, hidden, dtype, requires_grad=False):
+    """The gate/up halves of a fused (…, 2I) projection output, as ``Phi3MLP`` chunks it."""
+    fused = torch.randn(*lead, 2 * hidden, device=DEVICE, dtype=torch.float32).to(dtype)
+    fused.requires_grad_(requires_grad)
+    return fused, fused.chunk(2, dim=-1)
+
+
+@pytest.mark.parametrize("lead,hidden", shapes(small=[((3,), 5), ((2, 7), 123)], full=[((4, 1007), 4231)]))
+def test_strided_halves_of_a_fused_projection(lead, hidden):
+    fused, (a, b) = fused_halves(lead, hidden, torch.bfloat16, requires_grad=True)
+    assert not a.is_contiguous()
+    h = LigerSiLUMulFunction.apply(a, b)
+    dh = torch.randn_like(h)
+    h.backward(dh)
+    ref_fused = fused.detach().double().requires_grad_(True)
+    ra, rb = ref_fused.chunk(2, dim=-1)
+    ref = exact_swiglu(ra, rb)
+    ref.backward(dh.double())
+    assert_close(h, ref, dtype=torch.bfloat16)
+    assert_close(fused.grad, ref_fused.grad, dtype=torch.bfloat16)
+
+
+def _temporaries(shape, dtype):
+    """Leaves x, y and non-leaf temporaries a = x * 1, b = y * 1 (like projection outputs)."""
+    x = torch.randn(shape, device=DEVICE, dtype=torch.float32).to(dtype).requires_grad_(True)
+    y = torch.randn(shape, device=DEVICE, dtype=torch.float32).to(dtype).requires_grad_(True)
+    return x, y, x * 1, y * 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_backward_writes_into_the_temporaries(dtype):
+    shape = (3, 37)
+    x, y, a, b = _temporaries(shape, dtype)
+    dh = torch.randn(shape, device=DEVICE, dtype=dtype)
+    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
+    # The gradients are exact (same kernel as the fresh-output path) ...
+    _, da, db = gated_run(LigerSiLUMulFunction.apply, x, y, dh, False)
+    assert torch.equal(x.grad, da) and torch.equal(y.grad, db)
+    # ... and live in a's and b's storage: the backward allocated no new buffers.
+    assert torch.equal(a.detach(), da) and torch.equal(b.detach(), db)
+
+
+def test_in_place_backward_into_fused_halves():
+    fused_leaf, _ = fused_halves((2, 5), 37, torch.float32, requires_grad=True)
+    fused = fused_leaf * 1
+    a, b = fused.chunk(2, dim=-1)
+    dh = torch.randn(2, 5, 37, device=DEVICE)
+    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
+    ref_leaf = fused_leaf.detach().clone().requires_grad_(True)
+    LigerSiLUMulFunction.apply(*ref_leaf.chunk(2, dim=-1)).backward(dh)
+    assert torch.equal(fused_leaf.grad, ref_leaf.grad)
+    assert torch.equal(fused.detach(), ref_leaf.grad)  # both halves were overwritten in place
+
+
+def test_in_place_falls_back_when_unsafe():
+    shape = (4, 33)
+    dh = torch.randn(shape, device=DEVICE)
+    # Leaves (user tensors) are never overwritten.
+    a = torch.randn(shape, device=DEVICE, requires_grad=True)
+    b = torch.randn(shape, device=DEVICE, requires_grad=True)
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
+    assert torch.equal(a.detach(), a0) and torch.equal(b.detach(), b0)
+    want = gated_reference(exact_swiglu, a0, b0, dh)
+    assert_close(a.grad, want[1])
+    assert_close(b.grad, want[2])
+    # One temporary used as both inputs: writing da and db over it would clobber it.
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    t = x * 1
+    LigerSiLUMulFunction.apply(t, t, True).backward(dh)
+    ref_x = x.detach().double().requires_grad_(True)
+    exact_swiglu(ref_x, ref_x).backward(dh.double())
+    assert_close(x.grad, ref_x.grad)
+    # An expanded (self-overlapping) temporary.
+    row = torch.randn(1, 33, device=DEVICE, requires_grad=True)
+    e = (row * 1).expand(4, 33)
+    y = torch.randn(shape, device=DEVICE, requires_grad=True)
+    LigerSiLUMulFunction.apply(e, y * 1, True).backward(dh)
+    ref_row = row.detach().double().requires_grad_(True)
+    exact_swiglu(ref_row.expand(4, 33), y.detach().double()).backward(dh.double())
+    assert_close(row.grad, ref_row.grad)
+
+
+def test_in_place_backward_twice_fails_loudly():
+    _, _, a, b = _temporaries((3, 8), torch.float32)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    h.backward(torch.ones_like(h), retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.backward(torch.ones_like(h))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (2, 0, 7)])
+def test_empty(shape):
+    a = torch.randn(shape, device=DEVICE, requires_grad=True)
+    b = torch.randn(shape, device=DEVICE, requires_grad=True)
+    h = LigerSiLUMulFunction.apply(a, b)
+    assert h.shape == torch.Size(shape)
+    h.sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+
+
+def test_bad_arguments():
+    a = torch.randn(3, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="same shape"):
+        LigerSiLUMulFunction.apply(a, torch.randn(3, 5, device=DEVICE))
+    with pytest.raises(TypeError, match="same dtype"):
+        LigerSiLUMulFunction.apply(a, a.half())
+    with pytest.raises(TypeError, match="dtype"):
+        LigerSiLUMulFunction.apply(a.long(), a.long())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        LigerSiLUMulFunction.apply(a, [1.0])
+    with pytest.raises(ValueError, match="device"):
+        LigerSiLUMulFunction.apply(a, torch.randn(3, 4, device="meta"))
+    with pytest.raises(TypeError, match="in_place"):
+        LigerSiLUMulFunction.apply(a, a, "yes")
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    hidden=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    fused=st.booleans(),
+    in_place=st.booleans(),
+)
+def test_property_random_shapes(lead, hidden, dtype, fused, in_place):
+    shape = (*lead, hidden)
+    if fused:
+        leaf, _ = fused_halves(lead, hidden, dtype, requires_grad=True)
+    else:
+        leaf = torch.randn(2, *lead, hidden, device=DEVICE).to(dtype).requires_grad_(True)
+    source = leaf * 1  # a temporary, so in_place may really write into it
+    a, b = source.chunk(2, dim=-1) if fused else source.unbind(0)
+    dh = torch.randn(shape, device=DEVICE).to(dtype)
+    h = LigerSiLUMulFunction.apply(a, b, in_place)
+    h.backward(dh)
+    ref_leaf = leaf.detach().double().requires_grad_(True)
+    ra, rb = ref_leaf.chunk(2, dim=-1) if fused else ref_leaf.unbind(0)
+    exact_swiglu(ra, rb).backward(dh.double())
+    assert_close(h, exact_swiglu(ra, rb), dtype=dtype)
+    assert_close(leaf.grad, ref_leaf.grad, dtype=dtype)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    a, b, dh = make_inputs((5, 37), torch.float32)
+
+    def fn(a, b):
+        return LigerSiLUMulFunction.apply(a * 1, b * 1, True) * 2
+
+    eager = gated_run(fn, a, b, dh)
+    compiled = gated_run(torch.compile(fn, fullgraph=True), a, b, dh)
+    for x, y in zip(compiled, eager):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,123 @@
+"""LigerSwiGLUMLP / LigerPhi3SwiGLUMLP as drop-ins for HF ``LlamaMLP`` / ``Phi3MLP``.
+
+Each Liger module loads the HF module's state dict (same parameter names and shapes), and
+forward output, input gradient and every weight gradient are compared with the HF module
+evaluated in float64 (the truth). fp32: norm-wise relative error <= 1e-5 (fp32 matmul
+accumulation plus one rounding of the gating). bf16: the matmuls are HF's own, only the
+gating differs (one rounding instead of HF's two), so our norm-wise distance to the truth
+may not exceed HF's bf16 module's by more than 25% - or, where both are tiny, one bf16 unit
+roundoff (2**-8), since then which of the two lands closer is luck.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from liger_kernel.transformers.functional import liger_swiglu
+from liger_kernel.transformers.swiglu import LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
+from tests.utils import DEVICE, rel_error, shapes
+
+transformers = pytest.importorskip("transformers")
+
+# (hidden, intermediate, rows): odd sizes; the full set adds a Llama-like width.
+# Norm-wise error any bf16 result may have whatever HF's happens to be: one unit roundoff.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+BIG_SIZES = shapes(small=[(33, 123, 10)], full=[(256, 4231, 1007), (512, 14336, 64)])
+# Cases with the low-precision comparison: (hidden, intermediate, rows, dtype). The tiny
+# (8, 1, 3) case runs in fp32 only: its weight gradients are sums of 6 products with
+# cancellation, where a 1-ulp difference in the gating is amplified at random for either side.
+CASES = [(*size, dtype) for size in BIG_SIZES for dtype in (torch.float32, torch.bfloat16)]
+CASES += [(8, 1, 3, torch.float32)]
+
+
+def run_mlp(module, x, dy):
+    """(output, dx, {name: dW}) of ``module`` at ``x`` with upstream gradient ``dy``."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x)
+    y.backward(dy)
+    return y.detach(), x.grad, {name: p.grad for name, p in module.named_parameters()}
+
+
+def compare_with_hf(hf_mlp, liger_mlp, dtype, rows, hidden):
+    liger_mlp.load_state_dict(hf_mlp.state_dict())
+    truth = copy.deepcopy(hf_mlp).double()
+    hf_mlp, liger_mlp = hf_mlp.to(dtype), liger_mlp.to(dtype)
+    x = torch.randn(2, rows, hidden, device=DEVICE).to(dtype)
+    dy = torch.randn(2, rows, hidden, device=DEVICE).to(dtype)
+    y_t, dx_t, dw_t = run_mlp(truth, x.double(), dy.double())
+    y_l, dx_l, dw_l = run_mlp(liger_mlp, x, dy)
+    y_h, dx_h, dw_h = run_mlp(hf_mlp, x, dy)
+    assert set(dw_l) == set(dw_t)
+    pairs = [("output", y_l, y_h, y_t), ("dx", dx_l, dx_h, dx_t)]
+    pairs += [(f"d{name}", dw_l[name], dw_h[name], dw_t[name]) for name in dw_t]
+    for name, ours, hf, exact in pairs:
+        assert ours.dtype == dtype and ours.shape == exact.shape, name
+        if dtype == torch.float32:
+            assert rel_error(ours, exact) <= 1e-5, f"{name}: {rel_error(ours, exact):.2e}"
+        else:
+            assert rel_error(ours, exact) <= max(1.25 * rel_error(hf, exact), BF16_UNIT_ROUNDOFF), (
+                f"{name}: ours {rel_error(ours, exact):.2e} vs HF {rel_error(hf, exact):.2e}")
+
+
+def mlp_config(config_class, hidden, intermediate, **kwargs):
+    """A config of ``config_class`` with the given MLP sizes (one head of dim 2, so any hidden size passes HF validation)."""
+    return getattr(transformers, config_class)(hidden_size=hidden, intermediate_size=intermediate,
+                                               num_attention_heads=1, num_key_value_heads=1, head_dim=2,
+                                               **kwargs)
+
+
+def llama_config(hidden, intermediate, **kwargs):
+    return mlp_config("LlamaConfig", hidden, intermediate, hidden_act="silu", **kwargs)
+
+
+@pytest.mark.parametrize("hidden,intermediate,rows,dtype", CASES)
+@pytest.mark.parametrize("mlp_bias", [False, True])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_llama_mlp(hidden, intermediate, rows, dtype, mlp_bias, in_place):
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = llama_config(hidden, intermediate, mlp_bias=mlp_bias)
+    hf = LlamaMLP(config).to(DEVICE)
+    liger = LigerSwiGLUMLP(config, in_place=in_place).to(DEVICE)
+    assert (liger.hidden_size, liger.intermediate_size, liger.config) == (hidden, intermediate, config)
+    assert (liger.gate_proj.bias is not None) == mlp_bias
+    compare_with_hf(hf, liger, dtype, rows, hidden)
+
+
+@pytest.mark.parametrize("hidden,intermediate,rows,dtype", CASES)
+def test_phi3_mlp(hidden, intermediate, rows, dtype):
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    config = mlp_config("Phi3Config", hidden, intermediate, hidden_act="silu")
+    hf = Phi3MLP(config).to(DEVICE)
+    liger = LigerPhi3SwiGLUMLP(config).to(DEVICE)
+    assert liger.gate_up_proj.weight.shape == (2 * intermediate, hidden)
+    compare_with_hf(hf, liger, dtype, rows, hidden)
+
+
+def test_forward_bound_onto_an_hf_instance():
+    # The instance patch binds LigerSwiGLUMLP.forward onto HF modules, which lack ``in_place``.
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = llama_config(16, 40)
+    hf = LlamaMLP(config).to(DEVICE)
+    x = torch.randn(3, 16, device=DEVICE)
+    expected = hf(x)
+    bound = LigerSwiGLUMLP.forward.__get__(hf)
+    torch.testing.assert_close(bound(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rejects_other_activations():
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        LigerSwiGLUMLP(mlp_config("LlamaConfig", 8, 16, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        LigerPhi3SwiGLUMLP(mlp_config("Phi3Config", 8, 16, hidden_act="relu"))
+    LigerSwiGLUMLP(mlp_config("LlamaConfig", 8, 16, hidden_act="swish"))
+
+
+def test_functional_alias():
+    a = torch.randn(4, 9, device=DEVICE)
+    b = torch.randn(4, 9, device=DEVICE)
+    torch.testing.assert_close(liger_swiglu(a, b), torch.nn.functional.silu(a) * b, rtol=1e-5, atol=1e-6)
