@@ -26,8 +26,11 @@ dw and db are reduced deterministically in fp32: each of P persistent programs s
 own rows into row p of a (P, H) buffer, then the P rows are summed in a fixed order.
 
 The kernels are the row-normalisation kernels shared with RMSNorm
-(``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with
-``CENTER=True``. Empty inputs give empty outputs and zero dw/db.
+(``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:
+one pass forward (read X, W, B; write y, mean, rstd), one persistent pass backward (read
+dy, X, W, mean, rstd; write dx and the partial dW/dB); launch tunables are the
+``ROW_NORM_*`` constants of ``utils.row_norm_launch``. Constant rows give xhat = 0, y = b
+and finite gradients (rstd = 1/sqrt(eps)); empty inputs give empty outputs and zero dw/db.
 """
 
 import math
@@ -70,12 +73,12 @@ def check_layer_norm_args(X: object, W: object, B: object, eps: object) -> None:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
-def _launch_args(launch):
+def _launch_args(launch, num_warps: int) -> dict:
     return dict(
         CENTER=True, CASTING=ROW_NORM_CAST_FP32,
         FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
         ROUND_BY_HAND=launch.round_by_hand,
-        num_warps=launch.num_warps,
+        num_warps=num_warps,
     )
 
 
@@ -95,7 +98,7 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
             rows, w, bias.contiguous() if bias is not None else w, y, mean, rstd,
             n_rows, n_cols, rows.stride(0), y.stride(0),
             eps, 0.0,
-            HAS_BIAS=bias is not None, **_launch_args(launch),
+            HAS_BIAS=bias is not None, **_launch_args(launch, launch.num_warps),
         )
     return y.view(x.shape), mean, rstd
 
@@ -131,7 +134,7 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
     row_norm_backward_kernel[(launch.backward_programs,)](
         dy_rows, x_rows, weight.contiguous(), mean, rstd, dx_rows, partials[0], partials[n_partials - 1],
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), 0.0,
-        HAS_BIAS=has_bias, **_launch_args(launch),
+        HAS_BIAS=has_bias, **_launch_args(launch, launch.backward_num_warps),
     )
     # Summed separately: two returns must not share storage (custom-op aliasing rule).
     grad_weight = partials[0].sum(dim=0).to(weight.dtype).view(weight.shape)

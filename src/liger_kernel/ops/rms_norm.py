@@ -39,8 +39,16 @@ very tensor another backward node also receives (e.g. the output is added straig
 residual stream whose gradient is not copied), use ``in_place=False``.
 
 Rows of all zeros give y = 0 and rstd = 1/sqrt(eps) (finite for eps > 0); empty inputs
-give empty outputs and a zero dw. Rows wider than ``utils.MAX_FUSED_BLOCK`` are processed
-in column blocks (two passes over the row) instead of one register tile.
+give empty outputs and a zero dw.
+
+Launch: the kernels are the row-normalisation kernels shared with LayerNorm
+(``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``, ``CENTER=False``).
+Forward: one program per tile of rows (narrow rows are packed several to a tile), one
+read of X and W, one write of y and rstd. Backward: persistent programs, one read of dy,
+X, W and rstd, one write of dx and of the (P, H) partial dW. Rows wider than
+``utils.MAX_FUSED_BLOCK`` are processed in column blocks (two passes over the row,
+the second mostly from L2) instead of one register tile. Tile sizes, warps and programs
+per SM are the ``ROW_NORM_*`` tunables in ``utils.row_norm_launch``.
 """
 
 import math
@@ -171,7 +179,7 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
         CENTER=False, HAS_BIAS=False, CASTING=casting,
         FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
         ROUND_BY_HAND=launch.round_by_hand,
-        num_warps=launch.num_warps,
+        num_warps=launch.backward_num_warps,
     )
     grad_weight = dw_partial.sum(dim=0).to(weight.dtype).view(weight.shape)
     return grad_x, grad_weight

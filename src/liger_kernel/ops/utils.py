@@ -223,9 +223,15 @@ ROW_NORM_CAST_FP32 = 2  # everything in fp32, rounded once on output (Gemma RMSN
 # enough bytes per program.
 ROW_NORM_TILE_ELEMENTS = 4096
 ROW_NORM_MAX_ROWS_PER_TILE = 256
-# Backward persistent grid: programs per SM = ROW_NORM_WARPS_PER_SM // num_warps, clamped
-# to [1, ROW_NORM_MAX_PROGRAMS_PER_SM]. Each program owns one fp32 row of the (P, H)
-# partial dW buffer, so fewer programs also means a smaller final reduction.
+# Backward warps: the backward keeps ~6 fp32 values per element live (dy, x, w, g, xhat,
+# the dW accumulator), so it gets fewer elements per thread than the forward: ptxas (sm_90)
+# gives the fused RMSNorm backward ~110 registers at 16 elements/thread (4096 cols, 8 warps:
+# only 2 programs = 16 warps fit an SM) and 64 at 8 elements/thread (16 warps, 2 programs =
+# 32 warps per SM).
+ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD = 8
+# Backward persistent grid: programs per SM = ROW_NORM_WARPS_PER_SM // backward warps,
+# clamped to [1, ROW_NORM_MAX_PROGRAMS_PER_SM]. Each program owns one fp32 row of the
+# (P, H) partial dW buffer, so fewer programs also means a smaller final reduction.
 ROW_NORM_WARPS_PER_SM = 32
 ROW_NORM_MAX_PROGRAMS_PER_SM = 4
 
@@ -236,7 +242,8 @@ class RowNormLaunch:
 
     block_rows: int  # rows per tile (power of two)
     block_cols: int  # columns per tile (power of two); a row wider than this is looped over
-    num_warps: int
+    num_warps: int  # forward
+    backward_num_warps: int
     fused: bool  # the whole row fits one tile (single pass over registers)
     n_tiles: int  # forward grid: one program per tile
     backward_programs: int  # backward grid: persistent programs striding over the tiles
@@ -255,11 +262,16 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLa
         )
     else:
         block_rows = 1
-    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    tile = block_rows * block_cols
+    _, num_warps = row_launch_settings(tile, max_block=MAX_BLOCK)
+    backward_num_warps = triton.next_power_of_2(max(1, min(32, tile // (32 * ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD))))
+    if is_interpreter():
+        backward_num_warps = num_warps  # ignored by the interpreter, but it sizes the grid below
     n_tiles = cdiv(n_rows, block_rows)
-    programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // num_warps))
+    programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // backward_num_warps))
     programs = num_programs_for_rows(n_tiles, device, programs_per_sm)
-    return RowNormLaunch(block_rows, block_cols, num_warps, fused, n_tiles, programs, is_interpreter())
+    return RowNormLaunch(block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles, programs,
+                         is_interpreter())
 
 
 @triton.jit
@@ -369,18 +381,24 @@ def row_norm_forward_kernel(
 
 
 @triton.jit
-def _row_norm_grad_terms(DY_ptrs, X_ptrs, X, W, cols, col_mask, mask, mean, rstd, offset,
+def _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """(w + offset) in fp32 for one column block, rounded as the forward used it."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if CASTING == 0:
+        w = _row_norm_round(w, X.dtype.element_ty, ROUND_BY_HAND)
+    return w
+
+
+@triton.jit
+def _row_norm_grad_terms(DY_ptrs, X_ptrs, X, w, mask, mean, rstd,
                          CENTER: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
-    """Load one tile; return (dy, xhat, g, xhat as the forward multiplied it by w), fp32."""
+    """Load one tile; return (dy, xhat, g = dy * w, xhat as the forward multiplied it by w), fp32."""
     in_dtype = X.dtype.element_ty
     dy = tl.load(DY_ptrs, mask=mask, other=0.0).to(tl.float32)
     xc = tl.load(X_ptrs, mask=mask, other=0.0).to(tl.float32)
     if CENTER:
         xc = tl.where(mask, xc - mean[:, None], 0.0)
     xhat = xc * rstd[:, None]
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    if CASTING == 0:
-        w = _row_norm_round(w, in_dtype, ROUND_BY_HAND)
     g = dy * w[None, :]
     if CASTING == 0:
         g = _row_norm_round(g, in_dtype, ROUND_BY_HAND)
@@ -415,6 +433,7 @@ def row_norm_backward_kernel(
     if FUSED:
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
+        w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)  # once per program
         dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         for tile in tl.range(pid, n_tiles, n_programs):
@@ -429,7 +448,7 @@ def row_norm_backward_kernel(
             dy, xhat, g, xhat_w = _row_norm_grad_terms(
                 DY + rows64[:, None] * dy_row_stride + cols[None, :],
                 X + rows64[:, None] * x_row_stride + cols[None, :],
-                X, W, cols, col_mask, mask, mean, rstd, offset, CENTER, CASTING, ROUND_BY_HAND)
+                X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
             proj = tl.sum(g * xhat, axis=1) / n_cols
             dx = g - xhat * proj[:, None]
             if CENTER:
@@ -463,9 +482,10 @@ def row_norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK_COLS)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
+                w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)
                 dy, xhat, g, xhat_w = _row_norm_grad_terms(
                     dy_rows + cols[None, :], x_rows + cols[None, :],
-                    X, W, cols, col_mask, mask, mean, rstd, offset, CENTER, CASTING, ROUND_BY_HAND)
+                    X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
                 proj_acc += g * xhat
                 if CENTER:
                     g_acc += g
@@ -478,9 +498,10 @@ def row_norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK_COLS)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
+                w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)
                 dy, xhat, g, xhat_w = _row_norm_grad_terms(
                     dy_rows + cols[None, :], x_rows + cols[None, :],
-                    X, W, cols, col_mask, mask, mean, rstd, offset, CENTER, CASTING, ROUND_BY_HAND)
+                    X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
                 dx = g - xhat * proj[:, None]
                 if CENTER:
                     dx -= g_mean[:, None]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from liger_kernel.transformers.monkey_patch import (
+    MODEL_TYPE_TO_APPLY_LIGER_FN,
+    _apply_liger_kernel_to_instance,
+)
 from transformers import AutoModelForCausalLM
-
-from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
 
 LIGER_OPTIONS = frozenset(
     name

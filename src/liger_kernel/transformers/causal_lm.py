@@ -89,7 +89,7 @@ def liger_causal_lm_loss(
     return loss
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_kwarg_name(base_model_class: type) -> str:
     # transformers 5.24 renamed the decoder's ``past_key_values`` argument to ``cache`` (5.17
     # still uses ``past_key_values``); pass it under whichever name the base model takes.

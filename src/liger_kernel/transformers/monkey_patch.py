@@ -146,7 +146,7 @@ def _warn_unsupported_activation(config: Any, family: ModelFamily) -> None:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _liger_norm_class(model_type: str) -> type:
     """A :class:`LigerRMSNorm` subclass built like the family's norm: ``cls(hidden_size, eps)``.
 
@@ -226,7 +226,7 @@ def liger_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any,
     return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _liger_mlp_class(model_type: str, hf_class: type) -> type:
     """The class replacing the family's MLP class in its modeling module.
 

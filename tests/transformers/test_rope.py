@@ -1,0 +1,110 @@
+"""liger_rotary_pos_emb as a drop-in for HF's ``apply_rotary_pos_emb`` (Llama and Phi-3).
+
+cos/sin come from the HF rotary embedding module of a tiny config (Phi-3 with
+``partial_rotary_factor=0.5``, so only half of each head is rotated), q/k are laid out the
+way the HF attention forwards produce them (``proj(x).view(B, T, H, D).transpose(1, 2)``,
+and for Phi-3 slices of the fused ``qkv_proj`` output). Truth: HF's own function evaluated
+in float64. fp32 at the default fp32 tolerance; bf16 at ``tolerance(bf16)`` (each of our
+outputs is rounded once; HF's bf16 result, three roundings, is also checked against the
+truth at twice that, to show the tolerance is not loose for us alone).
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from liger_kernel.transformers.functional import liger_rope, liger_rotary_pos_emb
+from tests.utils import DEVICE, assert_close, shapes
+
+transformers = pytest.importorskip("transformers")
+
+# (batch, seq): T = 1, 3, 37 (and a long sequence on the full set).
+SEQS = shapes(small=[(2, 1), (1, 3), (2, 37)], full=[(2, 1024)])
+
+
+def _family(model_type):
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    if model_type == "llama":
+        config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        return config, modeling.LlamaRotaryEmbedding(config), modeling.apply_rotary_pos_emb
+    config = transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    return config, modeling.Phi3RotaryEmbedding(config), modeling.apply_rotary_pos_emb
+
+
+def _inputs(config, rotary, batch, seq, dtype, fused_qkv):
+    """Leaf projection outputs, a function viewing them as (q, k) like HF's attention, cos, sin."""
+    n_q, n_k = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_q
+    if fused_qkv:
+        leaves = [torch.randn(batch, seq, (n_q + 2 * n_k) * head_dim, device=DEVICE).to(dtype)]
+
+        def view(qkv):
+            q = qkv[..., : n_q * head_dim].view(batch, seq, -1, head_dim).transpose(1, 2)
+            k = qkv[..., n_q * head_dim: (n_q + n_k) * head_dim].view(batch, seq, -1, head_dim).transpose(1, 2)
+            return q, k
+    else:
+        leaves = [torch.randn(batch, seq, n * head_dim, device=DEVICE).to(dtype) for n in (n_q, n_k)]
+
+        def view(q, k):
+            return (q.view(batch, seq, -1, head_dim).transpose(1, 2), k.view(batch, seq, -1, head_dim).transpose(1, 2))
+
+    position_ids = torch.arange(seq, device=DEVICE)[None].expand(batch, -1) + 5
+    cos, sin = rotary.to(DEVICE)(leaves[0], position_ids)
+    return leaves, view, cos, sin
+
+
+def _run(fn, leaves, view, cos, sin, grads, upcast):
+    leaves = [t.detach().clone().double() if upcast else t.detach().clone() for t in leaves]
+    for t in leaves:
+        t.requires_grad_(True)
+    if upcast:
+        cos, sin, grads = cos.double(), sin.double(), [g.double() for g in grads]
+    q_embed, k_embed = fn(*view(*leaves), cos, sin)
+    torch.autograd.backward((q_embed, k_embed), grads)
+    return [q_embed.detach(), k_embed.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("model_type,fused_qkv", [("llama", False), ("phi3", True)])
+@pytest.mark.parametrize("batch,seq", SEQS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_hf(model_type, fused_qkv, batch, seq, dtype):
+    config, rotary, hf_fn = _family(model_type)
+    leaves, view, cos, sin = _inputs(config, rotary, batch, seq, dtype, fused_qkv)
+    assert cos.dtype == dtype  # HF's rotary module returns cos/sin in the activations' dtype
+    if model_type == "phi3":
+        assert cos.shape[-1] * 2 == view(*leaves)[0].shape[-1]  # partial rotary is exercised
+    q, k = view(*leaves)
+    grads = [torch.randn(q.shape, device=DEVICE).to(dtype), torch.randn(k.shape, device=DEVICE).to(dtype)]
+    ours = _run(liger_rotary_pos_emb, leaves, view, cos, sin, grads, upcast=False)
+    truth = _run(hf_fn, leaves, view, cos, sin, grads, upcast=True)
+    for x, y in zip(ours, truth):
+        assert x.dtype == dtype
+        assert_close(x, y, dtype=dtype)
+    if dtype == torch.bfloat16:
+        hf = _run(hf_fn, leaves, view, cos, sin, grads, upcast=False)
+        for x, y in zip(hf, truth):
+            assert_close(x, y, dtype=dtype, scale=2.0)
+
+
+def test_unsqueeze_dim_2_layout():
+    # (B, T, H, D) layout, as used by some attention implementations.
+    config, rotary, hf_fn = _family("llama")
+    batch, seq, head_dim = 2, 9, 16
+    q = torch.randn(batch, seq, 4, head_dim, device=DEVICE)
+    k = torch.randn(batch, seq, 2, head_dim, device=DEVICE)
+    cos, sin = rotary.to(DEVICE)(q, torch.arange(seq, device=DEVICE)[None].expand(batch, -1))
+    ours = liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    want = hf_fn(q.double(), k.double(), cos.double(), sin.double(), unsqueeze_dim=2)
+    for x, y in zip(ours, want):
+        assert_close(x, y)
+
+
+def test_functional_aliases():
+    assert liger_rope is liger_rotary_pos_emb
+    from liger_kernel.transformers import liger_rotary_pos_emb as exported
+
+    assert exported is liger_rotary_pos_emb
