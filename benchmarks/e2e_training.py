@@ -104,6 +104,7 @@ class VariantResult:
     max_seq_len: int | None = None  # longest sequence that trained one step at this batch
     first_oom_seq_len: int | None = None  # shortest tried that ran out of memory
     search_s: float = 0.0  # seconds the longest-sequence search took
+    patched_modules: int = 0  # modules whose forward the Liger patch replaced on the instance
     notes: list[str] = field(default_factory=list)
 
 
@@ -279,6 +280,7 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
         peak_gib = math.nan  # no allocator statistics on CPU
     tokens = sum(ids.numel() for ids in timed)
     result = VariantResult(
+        patched_modules=sum(1 for m in model.modules() if "forward" in vars(m)),
         variant=variant,
         tokens_per_s=tokens / elapsed,
         peak_gib=peak_gib,
@@ -310,7 +312,8 @@ def environment(device: torch.device) -> dict:
 
 def write_csv(path: str, results: list[VariantResult], env: dict, args) -> None:
     n_losses = max(len(r.losses) for r in results)
-    header = ["variant", "tokens_per_s", "peak_gib", "median_step_ms", "max_seq_len", "first_oom_seq_len"]
+    header = ["variant", "tokens_per_s", "peak_gib", "median_step_ms", "max_seq_len", "first_oom_seq_len",
+              "patched_modules"]
     header += [f"loss_{i}" for i in range(n_losses)]
     header += ["config", "batch", "seq", "warmup", "steps", *env, "notes"]
     with open(path, "w", newline="") as handle:
@@ -319,7 +322,7 @@ def write_csv(path: str, results: list[VariantResult], env: dict, args) -> None:
         for r in results:
             row = [r.variant, f"{r.tokens_per_s:.1f}", f"{r.peak_gib:.3f}", f"{r.median_step_ms:.2f}",
                    r.max_seq_len if r.max_seq_len is not None else "",
-                   r.first_oom_seq_len if r.first_oom_seq_len is not None else ""]
+                   r.first_oom_seq_len if r.first_oom_seq_len is not None else "", r.patched_modules]
             row += [f"{x:.6f}" for x in r.losses] + [""] * (n_losses - len(r.losses))
             row += [args.config, args.batch, args.seq, args.warmup, args.steps, *env.values(), "; ".join(r.notes)]
             writer.writerow(row)
@@ -409,7 +412,8 @@ def main(argv=None) -> int:
             f", longest seq at batch {args.batch}: {result.max_seq_len}"
             + (f" (OOM at {result.first_oom_seq_len})" if result.first_oom_seq_len else ""))
         print(f"  {variant:5s}: {result.tokens_per_s:12,.0f} tokens/s, peak {result.peak_gib:7.2f} GiB, "
-              f"median step {result.median_step_ms:8.1f} ms{seq_info}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+              f"median step {result.median_step_ms:8.1f} ms, {result.patched_modules} modules patched{seq_info}  "
+              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
         for note in result.notes:
             print(f"         note: {note}")
 
@@ -433,6 +437,9 @@ def main(argv=None) -> int:
     write_csv(csv_path, results, env, args)
     write_plot(png_path, results, env, args)
     print(f"  wrote {csv_path} and {png_path}")
+    if liger.patched_modules == 0 or hf.patched_modules != 0:
+        print("  ERROR: the Liger patch did not replace any module forward (or the HF model was patched)")
+        return 1
     return 0 if losses_match else 1
 
 

@@ -53,7 +53,7 @@ MODEL_SIZES = {
 # Defaults per device: on CPU every kernel runs in the Triton interpreter (Python loops over
 # program ids), so the model and batches are tiny.
 DEVICE_DEFAULTS = {
-    "cpu": dict(model_size="tiny", steps=20, seq_len=64, batch_size=4, learning_rate=3e-3, eval_batches=2),
+    "cpu": dict(model_size="tiny", steps=40, seq_len=64, batch_size=4, learning_rate=3e-3, eval_batches=2),
     "cuda": dict(model_size="base", steps=200, seq_len=1024, batch_size=16, learning_rate=1e-3, eval_batches=8),
 }
 
@@ -312,13 +312,14 @@ def write_outputs(out_dir: str, runs: list[RunResult], memory_label: str, title:
     names = ["plain", "liger"]
     colors = ["tab:gray", "tab:blue"]
     for ax, values, label, fmt in ((ax_tps, [r.tokens_per_s for r in runs], "tokens / s", "{:,.0f}"),
-                                   (ax_mem, [r.peak_gib for r in runs], f"GiB ({memory_label})", "{:.3f}")):
+                                   (ax_mem, [r.peak_gib for r in runs], "GiB", "{:.3f}")):
         ax.bar(names, values, color=colors)
         ax.set(ylabel=label)
         for i, v in enumerate(values):
             ax.text(i, v, fmt.format(v), ha="center", va="bottom")
     ax_tps.set_title("Throughput")
-    ax_mem.set_title("Peak memory")
+    ax_mem.set_title("Peak memory\n" + ("(torch.cuda.max_memory_allocated)" if memory_label.startswith("torch")
+                                         else "(CPU: peak process RSS, sampled)"), fontsize=10)
     fig.suptitle(title)
     fig.tight_layout()
     png_path = os.path.join(out_dir, "demo.png")
@@ -331,7 +332,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=None,
                         help="tiny on CPU, base on GPU by default")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (CPU 20, GPU 200)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (CPU 40, GPU 200)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (CPU 64, GPU 1024)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 4, GPU 16)")
     parser.add_argument("--learning-rate", type=float, default=None)

@@ -16,7 +16,7 @@ unpatched one) after the distributed scenarios.
 
 Scenarios: ``ddp``, ``fsdp2`` (``fully_shard`` on each decoder layer, then the root),
 ``fsdp2_lm_head`` (also on ``lm_head`` alone, so the fused loss meets a sharded DTensor
-weight), ``zero3`` (DeepSpeed ZeRO-3 parameter partitioning); each with ``_tied`` appended
+weight), ``fsdp2_lm_head_bf16`` (the same with a bf16 ``MixedPrecisionPolicy``), ``zero3`` (DeepSpeed ZeRO-3 parameter partitioning); each with ``_tied`` appended
 for tied input/output embeddings (not ``fsdp2_lm_head``: FSDP2 cannot shard one parameter
 in two groups). ``tp_lm_head`` (a tensor-parallel ``lm_head``, which the fused loss does
 not support) records the error the forward raises instead of training.
@@ -73,8 +73,30 @@ def build_model(tied: bool, patched: bool, device: str):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
+        _count_fused_loss_calls()
     model.train()
     return model
+
+
+FUSED_LOSS_CALLS = [0]
+
+
+def _count_fused_loss_calls() -> None:
+    """Count calls of the fused linear cross entropy, so the tests can tell that a scenario
+    trained through the fused kernel and not through the forward's unfused fallback (which
+    gives the same losses, from materialised logits)."""
+    import liger_kernel.transformers.fused_linear_cross_entropy as flce
+
+    if getattr(flce.liger_fused_linear_cross_entropy, "_counted", False):
+        return
+    original = flce.liger_fused_linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        FUSED_LOSS_CALLS[0] += 1
+        return original(*args, **kwargs)
+
+    counted._counted = True
+    flce.liger_fused_linear_cross_entropy = counted
 
 
 def global_batch(device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,16 +158,20 @@ def run_ddp(tied: bool, device: str, ids, labels) -> dict:
     return run_plain(ddp, ids, labels)
 
 
-def run_fsdp2(tied: bool, device: str, ids, labels, shard_lm_head: bool) -> dict:
-    from torch.distributed.fsdp import fully_shard
+def run_fsdp2(tied: bool, device: str, ids, labels, shard_lm_head: bool, bf16_compute: bool = False) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     model = build_model(tied, patched=True, device=device)
+    # bf16 compute over fp32 sharded master weights: inside each forward the gathered
+    # weights (lm_head's included) are bf16 and the module inputs are cast to bf16.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in model.model.layers:
-        fully_shard(layer)
+        fully_shard(layer, **kwargs)
     if shard_lm_head:
-        fully_shard(model.lm_head)
-    fully_shard(model)
+        fully_shard(model.lm_head, **kwargs)
+    fully_shard(model, **kwargs)
     if not isinstance(model.lm_head.weight, DTensor):
         raise AssertionError("fully_shard left lm_head.weight unsharded")
     return run_plain(model, ids, labels)
@@ -243,6 +269,9 @@ def main(argv: list[str]) -> None:
         "ddp": lambda tied: run_ddp(tied, device, local_ids, local_labels),
         "fsdp2": lambda tied: run_fsdp2(tied, device, local_ids, local_labels, shard_lm_head=False),
         "fsdp2_lm_head": lambda tied: run_fsdp2(tied, device, local_ids, local_labels, shard_lm_head=True),
+        "fsdp2_lm_head_bf16": lambda tied: run_fsdp2(
+            tied, device, local_ids, local_labels, shard_lm_head=True, bf16_compute=True
+        ),
         "zero3": lambda tied: run_zero3(tied, device, local_ids, local_labels),
         "tp_lm_head": lambda tied: run_tp_lm_head(device, local_ids, local_labels),
     }
@@ -250,7 +279,9 @@ def main(argv: list[str]) -> None:
     for scenario in filter(None, args.scenarios.split(",")):
         base, tied = scenario.removesuffix("_tied"), scenario.endswith("_tied")
         try:
+            FUSED_LOSS_CALLS[0] = 0
             results[scenario] = runners[base](tied)
+            results[scenario]["fused_loss_calls"] = FUSED_LOSS_CALLS[0]
         except Exception as exc:  # recorded per scenario so one failure does not hide the others
             import traceback
 
@@ -264,7 +295,9 @@ def main(argv: list[str]) -> None:
         for reference in filter(None, args.references.split(",")):
             base, tied = reference.removesuffix("_tied"), reference.endswith("_tied")
             model = build_model(tied, patched=base == "single", device=device)
+            FUSED_LOSS_CALLS[0] = 0
             results[reference] = run_plain(model, ids, labels, distributed=False)
+            results[reference]["fused_loss_calls"] = FUSED_LOSS_CALLS[0]
         torch.save(results, os.path.join(args.out, "results.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -265,3 +265,23 @@ def test_class_level_forward_matches_hf():
     assert out.logits is None
     torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
     _assert_same_grads(grads, ref_grads)
+
+
+def test_wrapped_lm_head_falls_back_to_exact_logits_path():
+    # A LoRA adapter on lm_head changes the head's output; the fused kernel, which reads
+    # lm_head.weight, would silently drop it, so the forward must take the logits path.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["lm_head", "q_proj"], lora_dropout=0.0)
+    lora = peft.get_peft_model(build_model("llama", seed=13), config)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    reference = copy.deepcopy(lora)
+    _apply_liger_kernel_to_instance(lora)
+    batch = random_batch(VOCAB, seed=13)
+    ref_out, ref_grads = _run(reference, **batch)
+    out, grads = _run(lora, **batch)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)

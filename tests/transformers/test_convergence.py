@@ -8,12 +8,15 @@ log-probabilities of an evaluation batch after training, and every parameter aft
 
 Tolerances (fp32). One forward/backward differs from HF by a few fp32 ulps per op (the
 kernels reorder the same fp32 reductions). Training amplifies that: AdamW divides each
-gradient by its running RMS, so relative gradient noise of ~1e-6 turns into update noise of
-~1e-6 * lr per step and compounds over 32 steps through the changed weights. With lr 1e-3
-the measured worst case over the eight families is a few 1e-6 on the parameters and the
-log-probs and ~1e-6 on the losses; we allow 1e-4 absolute (plus 1e-4 relative on the
-~7-nat losses): tight enough that a wrong shift, mask, soft-cap or norm offset (which moves
-the loss by > 1e-2 in the first step) fails at once.
+gradient by its running RMS, so relative gradient noise of ~1e-7 becomes update noise of
+~1e-7 * lr per step and compounds over 32 steps through the changed weights. Measured on the
+CPU sizes (transformers 5.17 and 5.24, lr 1e-3, losses falling from ~7.0 to ~5.2): worst
+loss difference 1.4e-6, worst top-k log-prob difference 1.4e-6, worst parameter difference
+5.1e-6 (Gemma). We allow 2e-5 absolute (+1e-5 relative): 4x the worst parameter drift, and
+three orders of magnitude below what a wrong shift, mask, soft-cap or norm offset does (it
+moves the first loss by > 1e-2). The GPU sizes (4 layers, 256 tokens, vocab 4096) train
+more tokens through more layers, so the drift budget there is 1e-4 (not yet measured on a
+GPU when this was written).
 
 bf16 (GPU only: the interpreter has no fast bf16 path): both models run in bf16, where one
 op already rounds at 2**-8 = 3.9e-3 relative and the two paths round at different points
@@ -44,8 +47,9 @@ BATCH, SEQ = (4, 64) if FULL_SHAPES else (2, 16)
 TOP_K = 10
 LR = 1e-3
 
+_FP32 = (1e-4, 1e-5) if FULL_SHAPES else (2e-5, 1e-5)
 TOLERANCES = {
-    torch.float32: {"loss": (1e-4, 1e-4), "logprobs": (1e-4, 1e-4), "params": (1e-4, 1e-4)},
+    torch.float32: {"loss": _FP32, "logprobs": _FP32, "params": _FP32},
     torch.bfloat16: {"loss": (5e-2, 2e-2), "logprobs": (1e-1, 2e-2), "params": (2e-2, 2e-2)},
 }
 

@@ -91,6 +91,7 @@ def test_class_level_patch_and_revert(model_type):
     original_forward = causal_lm.forward
     experts_class = getattr(modeling, family.mlp.class_name)
     original_experts_forward = experts_class.forward
+    reference = build_model(model_type, seed=0)
 
     MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]()
     for name in names:
@@ -99,11 +100,21 @@ def test_class_level_patch_and_revert(model_type):
     if is_experts:
         assert getattr(modeling, family.mlp.class_name) is experts_class
         assert experts_class.forward is not original_experts_forward
-    model = build_model(model_type)
+    model = build_model(model_type, seed=0)
     norms = [m for m in model.modules() if isinstance(m, LigerRMSNorm)]
     assert len(norms) == 1 + len(family.norm.layer_attrs) * model.config.num_hidden_layers
     assert all(n.offset == family.norm.offset and n.casting_mode == family.norm.casting_mode for n in norms)
     assert all("RMSNorm" in type(n).__name__ for n in norms)  # HF _init_weights finds norms by name
+
+    # A class-patched model computes what HF computes, and survives deepcopy.
+    for m in (model, reference):
+        m.train()
+    batch = random_batch(VOCAB, seed=6)
+    ref_loss, ref_grads = _loss_and_grads(reference, batch)
+    loss, grads = _loss_and_grads(copy.deepcopy(model), batch)
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
 
     revert_liger_kernel(model_type)
     for name in names:

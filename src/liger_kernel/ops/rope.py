@@ -8,10 +8,11 @@ Mistral, Qwen, Gemma and Phi-3)::
 
 Shapes. With ``unsqueeze_dim=1`` q is (B, Hq, T, D) and k is (B, Hk, T, D) (Hq != Hk for
 grouped-query attention); with ``unsqueeze_dim=2`` they are (B, T, Hq, D) / (B, T, Hk, D).
-``cos`` and ``sin`` are (Bc, T, R) with Bc in {1, B} (a (T, R) table counts as Bc = 1),
-broadcast over the heads. q and k may have any strides with a unit-stride last dimension -
+``cos`` and ``sin`` are (Bc, Tc, R) with Bc in {1, B} and Tc in {1, T} (a (T, R) table
+counts as Bc = 1), broadcast over the heads. q and k may have any strides with a unit-stride last dimension -
 transposed views of (B, T, H, D) projections and slices of a fused qkv projection (Phi-3)
-are read in place; all four strides go to the kernel.
+are read in place; all four strides go to the kernel. Only a q/k/cos/sin whose last
+dimension is not unit-stride is copied first.
 
 Partial rotary (``R < D``, Phi-3's ``partial_rotary_factor``): as HF's Phi-3 code, the first
 R channels are rotated (rotate_half over those R channels, halves of R/2) and channels
@@ -36,8 +37,10 @@ them under ``no_grad``); passing ones that require grad raises.
 
 One program handles BLOCK_T consecutive positions of one batch row: it loads cos/sin for
 those positions once and applies them to every q head and every k head. Math is fp32, each
-output rounded once to its input's dtype (HF rounds each product and the sum to the input
-dtype; with the usual ``cos``/``sin`` already in that dtype HF's output dtype is the same).
+output rounded once to its input's dtype. HF rounds each product and the sum to the input
+dtype (HF's rotary modules return cos/sin in the activations' dtype, so the output dtypes
+agree); with fp32 cos/sin and bf16 q HF's type promotion would return fp32, the kernel
+still returns bf16.
 Outputs and gradients are fresh tensors laid out like the corresponding input (same order
 of dimensions in memory), so views/transposes around the call stay free.
 """

@@ -82,7 +82,6 @@ GATED_TILE_ELEMENTS = 4096
 GATED_MAX_BLOCK_COLS = 1024
 
 
-
 @triton.jit
 def _gated_activation(a, ACTIVATION: tl.constexpr):
     """``(act(a), act'(a))`` in fp32 (the derivative is dead code where unused)."""

@@ -30,18 +30,28 @@ The family details (soft-cap attribute, router loss function) come from
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import inspect
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from liger_kernel.transformers.distributed import call_with_full_parameters, unwrapped_class
 from liger_kernel.transformers.families import ModelFamily, family_of
 
 IGNORE_INDEX = -100
+
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def shift_causal_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -98,8 +108,9 @@ def _cache_kwarg_name(base_model_class: type) -> str:
 
 
 def _output_cache_field(output_class: type) -> str:
-    names = {field.name for field in dataclasses.fields(output_class)}
-    return "cache" if "cache" in names else "past_key_values"
+    # ``__dataclass_fields__`` rather than ``dataclasses.fields()``: Dynamo cannot trace the
+    # latter on a class (a graph break under torch.compile), but reads a class attribute.
+    return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
 
 
 def _positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -120,6 +131,15 @@ def _logit_softcap(config, family: ModelFamily | None) -> float | None:
     if family is None or family.logit_softcap_attr is None:
         return None
     return getattr(config, family.logit_softcap_attr, None)
+
+
+def _fused_lm_head_loss(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """Fused linear cross entropy of ``hidden`` (N, H) through ``lm_head`` (``weight`` (V, H), ``bias``)."""
+    from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs)
 
 
 def liger_causal_lm_forward(
@@ -191,9 +211,17 @@ def liger_causal_lm_forward(
         raise ValueError("skip_logits=True needs `labels` or `shift_labels` to compute the loss from.")
 
     softcap = _logit_softcap(config, family)
+    lm_head = self.get_output_embeddings()
+    # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
+    # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
+    # exact unfused path instead.
+    # (fully_shard turns an nn.Linear into an FSDPLinear subclass: still fusable.)
+    fusable = unwrapped_class(lm_head) is torch.nn.Linear
+    if skip_logits and not fusable:
+        _warn_once(f"lm_head is a {type(lm_head).__name__}, not an nn.Linear: computing the loss from logits.")
     loss = None
     logits = None
-    if skip_logits:
+    if skip_logits and fusable:
         if shift_labels is None:
             shift_labels = shift_causal_labels(labels, ignore_index)
         if shift_labels.shape[:2] != hidden_states.shape[:2]:
@@ -201,14 +229,13 @@ def liger_causal_lm_forward(
                 f"labels/shift_labels of shape {tuple(shift_labels.shape)} do not match the "
                 f"{tuple(hidden_states.shape[:2])} (batch, positions) kept by logits_to_keep={logits_to_keep!r}"
             )
-        from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
-
-        lm_head = self.get_output_embeddings()
-        loss = liger_fused_linear_cross_entropy(
+        # Under FSDP2 (lm_head sharded on its own) or DeepSpeed ZeRO-3 the weight is only
+        # materialised inside lm_head's own call: run the fused loss as that call.
+        loss = call_with_full_parameters(
+            lm_head,
+            _fused_lm_head_loss,
             hidden_states.reshape(-1, hidden_states.shape[-1]),
-            lm_head.weight,
             shift_labels.reshape(-1).to(hidden_states.device),
-            bias=lm_head.bias,
             ignore_index=ignore_index,
             reduction="sum" if num_items_in_batch is not None else "mean",
             softcap=softcap,
@@ -216,7 +243,7 @@ def liger_causal_lm_forward(
         if num_items_in_batch is not None:
             loss = _divide_by_items(loss, num_items_in_batch)
     else:
-        logits = self.get_output_embeddings()(hidden_states)
+        logits = lm_head(hidden_states)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if has_targets:
@@ -224,6 +251,8 @@ def liger_causal_lm_forward(
             if shift_labels is not None:
                 loss_kwargs["shift_labels"] = shift_labels
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+        if skip_logits:
+            logits = None
 
     fields: dict[str, Any] = {
         "loss": loss,

@@ -29,6 +29,9 @@ is sharded the function is called directly (no hooks, no overhead, and nothing f
 Tensor parallelism (a weight that is still a ``DTensor`` inside its module's forward) is
 not supported by the fused loss and raises a ``NotImplementedError``.
 
+:func:`unwrapped_class` gives the class a module had before ``fully_shard`` replaced it by
+its ``FSDP<Class>`` subclass, for checks such as "``lm_head`` is a plain ``nn.Linear``".
+
 This module needs only torch.
 """
 
@@ -44,6 +47,13 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without distributed support
     DTensor = None
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch < 2.6 keeps FSDP2 under its private name; or no distributed
+    try:
+        from torch.distributed._composable.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = None
 
 T = TypeVar("T")
 
@@ -58,6 +68,21 @@ def _is_zero3_partitioned(tensor: torch.Tensor | None) -> bool:
         return False
     status = getattr(tensor, "ds_status", None)
     return getattr(status, "name", "AVAILABLE") != "AVAILABLE"
+
+
+def unwrapped_class(module: nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` made it an ``FSDP<Class>``.
+
+    FSDP2 swaps the class of every module it shards for a dynamic subclass with bases
+    ``(FSDPModule, <original class>)``; code that decides by exact class (``type(m) is
+    nn.Linear``, to exclude subclasses such as quantised linears) must look through it.
+    """
+    cls = type(module)
+    if FSDPModule is not None and isinstance(module, FSDPModule):
+        originals = [base for base in cls.__bases__ if not issubclass(base, FSDPModule)]
+        if len(originals) == 1:
+            return originals[0]
+    return cls
 
 
 def parameters_are_sharded(module: nn.Module) -> bool:

@@ -236,8 +236,9 @@ def _liger_mlp_class(model_type: str, hf_class: type) -> type:
     """
     family = FAMILIES[model_type]
 
-    def __new__(cls, config: Any, *args: Any, **kwargs: Any):
-        if not _activation_supported(config, family):
+    def __new__(cls, config: Any = None, *args: Any, **kwargs: Any):
+        # copy.deepcopy / pickle call cls.__new__(cls) without arguments.
+        if config is not None and not _activation_supported(config, family):
             _warn_unsupported_activation(config, family)
             return hf_class(config, *args, **kwargs)
         return nn.Module.__new__(cls)
@@ -354,7 +355,10 @@ def with_global_overrides(fn: Callable, overrides: dict[str, Any]) -> Callable:
             cells[i] = types.CellType(new_inner)
         closure = tuple(cells)
     else:
-        fn_globals = {**fn_globals, **overrides}
+        # Without ``__name__``: torch.compile (Dynamo) resolves the globals of a function whose
+        # globals name a module through that module (sys.modules[__name__]), i.e. it would
+        # read HF's rotary function and guard on it. A nameless dict is used as the dict it is.
+        fn_globals = {name: value for name, value in {**fn_globals, **overrides}.items() if name != "__name__"}
     new_fn = types.FunctionType(fn.__code__, fn_globals, fn.__name__, fn.__defaults__, closure)
     new_fn.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
     functools.update_wrapper(new_fn, fn)
