@@ -574,7 +574,7 @@ class Runner:
         inputs = restore = None
         try:
             inputs = unit.spec.make_inputs(unit.shape, cfg.dtype, cfg.device)
-            restore = _restorers(inputs, mutates)
+            restore = restorers(inputs, mutates)
             for mode in cfg.modes:
                 results[mode] = self._measure_mode(fn, inputs, mode, restore[mode])
                 if results[mode][0] == "oom":
@@ -696,7 +696,7 @@ def mode_callables(fn: Callable[..., Any], inputs: Inputs, mode: str,
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
 
 
-def _restorers(inputs: Inputs, mutates: Sequence[int | str]) -> dict[str, Callable[[], None] | None]:
+def restorers(inputs: Inputs, mutates: Sequence[int | str]) -> dict[str, Callable[[], None] | None]:
     """Per mode, a function copying overwritten buffers back from pristine copies made now.
 
     An overwritten upstream gradient matters only to modes with a backward.

@@ -6,7 +6,12 @@ out=${1:?usage: scripts/sanitizer_check.sh OUT_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-}:src PYTORCH_NO_CUDA_MEMORY_CACHING=1
+# PATH, the system CUDA toolkits, then CUDA pip wheels (nvidia-*/cuda-toolkit ship it under site-packages).
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -z "$sanitizer" ]; then
+  sanitizer=$(find /usr /opt "$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)" \
+    -name compute-sanitizer -type f -perm -u+x 2>/dev/null | head -1)
+fi
 if [ -z "$sanitizer" ]; then echo "compute-sanitizer not found" | tee "$out/sanitizer.txt"; exit 1; fi
 status=0
 for tool in memcheck racecheck; do

@@ -452,3 +452,12 @@ def test_past_int32_offsets():
     assert_grad_close(x.grad[tail], ref_input.grad, torch.bfloat16)
     del x, logits, loss
     torch.cuda.empty_cache()
+
+
+def test_in_place_gradient_is_not_copied_into_leaf_grad():
+    # Overwrite mode hands the logits' own buffer to autograd: a leaf's .grad must be that
+    # buffer, not an (N, V) clone of it (which would double the memory the mode saves).
+    logits, target = make_inputs(6, 257, torch.float32)
+    logits.requires_grad_()
+    liger_cross_entropy(logits, target).backward()
+    assert logits.grad.data_ptr() == logits.data_ptr()

@@ -240,3 +240,18 @@ def test_property(lead, hidden, bias, shift, eps, dtype):
     for name, a, t, scale in zip(("y", "dx", "dw", "db"), ours, truth, (1, 2, 2, 2)):
         if t is not None:
             assert_close(a, t, dtype=dtype, scale=scale, msg=name)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("backward_tile", [1, 4096])
+@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 1027)])
+def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backward_tile):
+    """Backward prefetch and multi-row backward tiles change the schedule only, not the result."""
+    import liger_kernel.ops.utils as ops_utils
+
+    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_PREFETCH", prefetch)
+    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_TILE_ELEMENTS", backward_tile)
+    x, w, b, dy = make_inputs(n_rows, hidden, torch.float32, bias=True)
+    ours = run(liger, x, w, b, dy)
+    truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
+    check_fp32(ours, truth, n_rows)

@@ -245,3 +245,20 @@ def test_property(lead, hidden, mode, offset, in_place, eps, dtype):
     assert_close(y, y_ref, dtype=dtype, msg="y")
     assert_close(dx, dx_ref, dtype=dtype, scale=4, msg="dx")
     assert_close(dw, dw_ref, dtype=dtype, scale=4, msg="dw")
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("backward_tile", [1, 4096])
+@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 1027), (1, 64)])
+def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backward_tile):
+    """The backward's tunables change only the schedule, never the result: prefetch on and off,
+    one row per tile and several (with a ragged last tile), all against float64 truth."""
+    import liger_kernel.ops.utils as ops_utils
+
+    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_PREFETCH", prefetch)
+    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_TILE_ELEMENTS", backward_tile)
+    x, w, dy = make_inputs(n_rows, hidden, torch.float32)
+    _, dx, dw = run(liger, x, w, dy, EPS, 0.0, "llama", True)
+    _, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, 0.0)
+    assert_close(dx, dx_ref, scale=4, msg="dx")
+    assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")

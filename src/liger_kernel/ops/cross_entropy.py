@@ -33,7 +33,8 @@ The kernel makes two passes over each row: pass 1 keeps a running max and rescal
 of exponentials (online log-sum-exp), the smoothing sum and the first arg-max; pass 2
 writes the gradient, by default over the logits themselves. The loss's backward only
 multiplies that stored gradient by the upstream gradient (a scalar, or one value per row
-for ``"none"``), in place. So the extra memory is O(N), never a second (N, V) buffer.
+for ``"none"``), in place, skipping rows whose factor is exactly 1 (decided on the device,
+without a host sync). So the extra memory is O(N), never a second (N, V) buffer.
 
 Differences from ``F.cross_entropy`` (all documented in :class:`LigerCrossEntropyFunction`):
 the loss is float32 for every logits dtype; a ``"mean"`` over a batch whose targets are
@@ -54,6 +55,7 @@ from liger_kernel.ops.utils import (
     liger_custom_op,
     num_programs_for_rows,
     row_launch_settings,
+    scale_in_place,
 )
 
 # Column block of the row loop. A power of two; smaller values only matter for tests,
@@ -241,8 +243,11 @@ def _cross_entropy_kernel(
                     uniform_coef = 0.0
                 if HAS_Z_LOSS:
                     prob_coef += 2.0 * lse_square_scale * lse * z_scale * row_scale
-                for start in range(0, n_cols, BLOCK_SIZE):
-                    cols = start + offsets
+                # Last block first: the blocks pass 1 read most recently are the likeliest
+                # still to be in L2.
+                n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
+                for block_index in range(0, n_blocks):
+                    cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
                     mask = cols < n_cols
                     x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
                     if HAS_SOFTCAP:
@@ -582,8 +587,7 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         if not ctx.compute_grad:
             return (None,) * 10
-        if ctx.reduction == "none":
-            grad.mul_(grad_loss.unsqueeze(1))
-        else:
-            grad.mul_(grad_loss)
-        return (grad,) + (None,) * 9
+        scale_in_place(grad, grad_loss)
+        # A fresh alias of the buffer, not the input tensor itself: autograd can then hand it
+        # to a leaf's .grad as is, instead of cloning an (N, V) tensor it sees shared.
+        return (grad.detach(),) + (None,) * 9

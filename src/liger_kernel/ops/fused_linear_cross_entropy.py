@@ -14,7 +14,8 @@ Rows are processed in chunks of ``C`` rows so that only one (C, V) logits buffer
 per chunk, ``Z_c = X_c W^T (+ b)`` (cuBLAS, written into the reused buffer), the
 cross-entropy kernel overwrites ``Z_c`` with ``G_c`` in place, then ``dX_c = G_c W`` is
 written into its rows of dX and ``dW += G_c^T X_c`` is accumulated in place (``addmm_``,
-``beta = 1``) into a preallocated dW, so no temporary of dW's size appears. ``C`` comes from
+``beta = 1``; the first chunk writes dW outright) into a preallocated dW, so no temporary
+of dW's size appears. ``C`` comes from
 :data:`FLCE_CHUNK_BUDGET_BYTES`. The mean's denominators are computed once for the whole
 batch on the device, so the chunk loop never syncs with the host.
 
@@ -43,6 +44,7 @@ from liger_kernel.ops.utils import (
     check_same_device,
     check_tensor,
     liger_custom_op,
+    scale_in_place,
 )
 
 # Bytes of the (C, V) chunk logits buffer (module-level tunable). 96 MiB keeps a
@@ -84,11 +86,18 @@ def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _accumulate_grad_weight(
-    grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor
+    grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor, first: bool
 ) -> None:
-    """``grad_weight += grad_chunk^T @ x_chunk`` in place, without a dW-sized temporary."""
+    """``grad_weight += grad_chunk^T @ x_chunk`` in place, without a dW-sized temporary.
+
+    With ``first`` and matching dtypes, ``grad_weight`` may hold garbage: the product is
+    written over it (saving the zero fill and one read of dW).
+    """
     if grad_weight.dtype == grad_chunk.dtype:
-        grad_weight.addmm_(grad_chunk.t(), x_chunk)
+        if first:
+            torch.mm(grad_chunk.t(), x_chunk, out=grad_weight)
+        else:
+            grad_weight.addmm_(grad_chunk.t(), x_chunk)
         return
     # float32 accumulator for low-precision operands.
     if _fp32_out_addmm_works(grad_weight.device, grad_chunk.dtype):
@@ -136,11 +145,12 @@ def _chunked_loss_and_grads(
     # Placeholders for gradients not needed are distinct tensors: custom-op outputs must not alias.
     grad_input = torch.empty_like(x) if grad_input_needed else x.new_empty((0,))
     weight_accum_dtype = torch.float32 if accum_fp32 else weight.dtype
-    grad_weight = (
-        torch.zeros(weight.shape, device=device, dtype=weight_accum_dtype)
-        if grad_weight_needed
-        else x.new_empty((0,))
-    )
+    if not grad_weight_needed:
+        grad_weight = x.new_empty((0,))
+    elif weight_accum_dtype == weight.dtype and n_rows > 0:
+        grad_weight = torch.empty(weight.shape, device=device, dtype=weight_accum_dtype)  # first chunk writes it
+    else:
+        grad_weight = torch.zeros(weight.shape, device=device, dtype=weight_accum_dtype)
     grad_bias = (
         torch.zeros(n_cols, device=device, dtype=torch.float32) if grad_bias_needed else x.new_empty((0,))
     )
@@ -180,7 +190,7 @@ def _chunked_loss_and_grads(
             if grad_input_needed:
                 torch.matmul(logits, weight, out=grad_input[start:stop])
             if grad_weight_needed:
-                _accumulate_grad_weight(grad_weight, logits, x_chunk)
+                _accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
             if grad_bias_needed:
                 grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
         del chunk_buffer
@@ -462,7 +472,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 (grad_bias, needs_bias),
             ):
                 if needed:
-                    grad.mul_(grad_loss)
+                    scale_in_place(grad, grad_loss)
         else:
             x, weight, target, bias, ce_weight = ctx.saved_tensors
             grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_backward(

@@ -73,13 +73,16 @@ def check_layer_norm_args(X: object, W: object, B: object, eps: object) -> None:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
-def _launch_args(launch, num_warps: int) -> dict:
-    return dict(
+def _launch_args(launch, backward: bool) -> dict:
+    args = dict(
         CENTER=True, CASTING=ROW_NORM_CAST_FP32,
-        FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
-        ROUND_BY_HAND=launch.round_by_hand,
-        num_warps=num_warps,
+        FUSED=launch.fused, BLOCK_ROWS=launch.backward_block_rows if backward else launch.block_rows,
+        BLOCK_COLS=launch.block_cols, ROUND_BY_HAND=launch.round_by_hand,
+        num_warps=launch.backward_num_warps if backward else launch.num_warps,
     )
+    if backward:
+        args["PREFETCH"] = launch.backward_prefetch
+    return args
 
 
 @liger_custom_op("layer_norm_forward")
@@ -98,7 +101,7 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
             rows, w, bias.contiguous() if bias is not None else w, y, mean, rstd,
             n_rows, n_cols, rows.stride(0), y.stride(0),
             eps, 0.0,
-            HAS_BIAS=bias is not None, **_launch_args(launch, launch.num_warps),
+            HAS_BIAS=bias is not None, **_launch_args(launch, backward=False),
         )
     return y.view(x.shape), mean, rstd
 
@@ -134,7 +137,7 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
     row_norm_backward_kernel[(launch.backward_programs,)](
         dy_rows, x_rows, weight.contiguous(), mean, rstd, dx_rows, partials[0], partials[n_partials - 1],
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), 0.0,
-        HAS_BIAS=has_bias, **_launch_args(launch, launch.backward_num_warps),
+        HAS_BIAS=has_bias, **_launch_args(launch, backward=True),
     )
     # Summed separately: two returns must not share storage (custom-op aliasing rule).
     grad_weight = partials[0].sum(dim=0).to(weight.dtype).view(weight.shape)

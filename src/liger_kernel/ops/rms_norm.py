@@ -177,8 +177,8 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
         dy_rows, x_rows, weight.contiguous(), rstd, rstd, dx_rows, dw_partial, dw_partial,
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
         CENTER=False, HAS_BIAS=False, CASTING=casting,
-        FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
-        ROUND_BY_HAND=launch.round_by_hand,
+        FUSED=launch.fused, BLOCK_ROWS=launch.backward_block_rows, BLOCK_COLS=launch.block_cols,
+        ROUND_BY_HAND=launch.round_by_hand, PREFETCH=launch.backward_prefetch,
         num_warps=launch.backward_num_warps,
     )
     grad_weight = dw_partial.sum(dim=0).to(weight.dtype).view(weight.shape)

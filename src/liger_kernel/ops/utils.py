@@ -234,13 +234,18 @@ ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD = 8
 # (P, H) partial dW buffer, so fewer programs also means a smaller final reduction.
 ROW_NORM_WARPS_PER_SM = 32
 ROW_NORM_MAX_PROGRAMS_PER_SM = 4
+# Backward tile when a whole row fits one tile (the forward uses ROW_NORM_TILE_ELEMENTS).
+ROW_NORM_BACKWARD_TILE_ELEMENTS = 4096
+# Backward of fused rows: load the next tile while the current one is reduced and stored.
+ROW_NORM_BACKWARD_PREFETCH = True
 
 
 @dataclasses.dataclass(frozen=True)
 class RowNormLaunch:
     """Launch geometry shared by the forward and backward row-normalisation kernels."""
 
-    block_rows: int  # rows per tile (power of two)
+    block_rows: int  # rows per forward tile (power of two)
+    backward_block_rows: int  # rows per backward tile (power of two)
     block_cols: int  # columns per tile (power of two); a row wider than this is looped over
     num_warps: int  # forward
     backward_num_warps: int
@@ -248,30 +253,33 @@ class RowNormLaunch:
     n_tiles: int  # forward grid: one program per tile
     backward_programs: int  # backward grid: persistent programs striding over the tiles
     round_by_hand: bool  # interpreter only: see _row_norm_round
+    backward_prefetch: bool
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLaunch:
     """Tile shape, warps and grid sizes for normalising ``n_rows`` rows of ``n_cols``."""
     block_cols, _ = row_launch_settings(n_cols)
     fused = block_cols >= n_cols
-    if fused:
-        block_rows = min(
-            max(1, ROW_NORM_TILE_ELEMENTS // block_cols),
-            ROW_NORM_MAX_ROWS_PER_TILE,
-            triton.next_power_of_2(max(n_rows, 1)),
-        )
-    else:
-        block_rows = 1
-    tile = block_rows * block_cols
-    _, num_warps = row_launch_settings(tile, max_block=MAX_BLOCK)
-    backward_num_warps = triton.next_power_of_2(max(1, min(32, tile // (32 * ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD))))
+
+    def rows_per_tile(tile_elements: int) -> int:
+        if not fused:
+            return 1
+        return min(max(1, tile_elements // block_cols), ROW_NORM_MAX_ROWS_PER_TILE,
+                   triton.next_power_of_2(max(n_rows, 1)))
+
+    block_rows = rows_per_tile(ROW_NORM_TILE_ELEMENTS)
+    backward_block_rows = rows_per_tile(ROW_NORM_BACKWARD_TILE_ELEMENTS)
+    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    backward_tile = backward_block_rows * block_cols
+    backward_num_warps = triton.next_power_of_2(
+        max(1, min(32, backward_tile // (32 * ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD))))
     if is_interpreter():
         backward_num_warps = num_warps  # ignored by the interpreter, but it sizes the grid below
     n_tiles = cdiv(n_rows, block_rows)
     programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // backward_num_warps))
-    programs = num_programs_for_rows(n_tiles, device, programs_per_sm)
-    return RowNormLaunch(block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles, programs,
-                         is_interpreter())
+    programs = num_programs_for_rows(cdiv(n_rows, backward_block_rows), device, programs_per_sm)
+    return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
+                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH)
 
 
 @triton.jit
@@ -390,12 +398,12 @@ def _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING: tl.constexpr, R
 
 
 @triton.jit
-def _row_norm_grad_terms(DY_ptrs, X_ptrs, X, w, mask, mean, rstd,
+def _row_norm_grad_terms(dy_raw, x_raw, X, w, mask, mean, rstd,
                          CENTER: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
-    """Load one tile; return (dy, xhat, g = dy * w, xhat as the forward multiplied it by w), fp32."""
+    """From one loaded tile: (dy, xhat, g = dy * w, xhat as the forward multiplied it by w), fp32."""
     in_dtype = X.dtype.element_ty
-    dy = tl.load(DY_ptrs, mask=mask, other=0.0).to(tl.float32)
-    xc = tl.load(X_ptrs, mask=mask, other=0.0).to(tl.float32)
+    dy = dy_raw.to(tl.float32)
+    xc = x_raw.to(tl.float32)
     if CENTER:
         xc = tl.where(mask, xc - mean[:, None], 0.0)
     xhat = xc * rstd[:, None]
@@ -419,6 +427,7 @@ def row_norm_backward_kernel(
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
     CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent programs: program p handles tiles p, p + P, ... and writes its fp32 partial
     dW (and dB) to row p of DW_PARTIAL (DB_PARTIAL), so the final sum over P is fixed-order.
@@ -436,19 +445,35 @@ def row_norm_backward_kernel(
         w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)  # once per program
         dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        # Software prefetch: the loads of this program's next tile are issued before the
+        # current tile's reductions and stores, so a persistent program keeps memory busy
+        # instead of alternating load latency and compute (the loop carries the raw tiles).
+        if PREFETCH:
+            rows64 = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+            mask = (rows64 < n_rows)[:, None] & col_mask[None, :]
+            next_dy = tl.load(DY + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            next_x = tl.load(X + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
         for tile in tl.range(pid, n_tiles, n_programs):
             rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
             rows64 = rows.to(tl.int64)
             mask = row_mask[:, None] & col_mask[None, :]
+            if PREFETCH:
+                dy_raw = next_dy
+                x_raw = next_x
+                ahead = rows64 + n_programs * BLOCK_ROWS
+                ahead_mask = (ahead < n_rows)[:, None] & col_mask[None, :]
+                next_dy = tl.load(DY + ahead[:, None] * dy_row_stride + cols[None, :], mask=ahead_mask, other=0.0)
+                next_x = tl.load(X + ahead[:, None] * x_row_stride + cols[None, :], mask=ahead_mask, other=0.0)
+            else:
+                dy_raw = tl.load(DY + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+                x_raw = tl.load(X + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
             rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
             mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
             if CENTER:
                 mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
             dy, xhat, g, xhat_w = _row_norm_grad_terms(
-                DY + rows64[:, None] * dy_row_stride + cols[None, :],
-                X + rows64[:, None] * x_row_stride + cols[None, :],
-                X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
+                dy_raw, x_raw, X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
             proj = tl.sum(g * xhat, axis=1) / n_cols
             dx = g - xhat * proj[:, None]
             if CENTER:
@@ -484,7 +509,8 @@ def row_norm_backward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)
                 dy, xhat, g, xhat_w = _row_norm_grad_terms(
-                    dy_rows + cols[None, :], x_rows + cols[None, :],
+                    tl.load(dy_rows + cols[None, :], mask=mask, other=0.0),
+                    tl.load(x_rows + cols[None, :], mask=mask, other=0.0),
                     X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
                 proj_acc += g * xhat
                 if CENTER:
@@ -500,7 +526,8 @@ def row_norm_backward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)
                 dy, xhat, g, xhat_w = _row_norm_grad_terms(
-                    dy_rows + cols[None, :], x_rows + cols[None, :],
+                    tl.load(dy_rows + cols[None, :], mask=mask, other=0.0),
+                    tl.load(x_rows + cols[None, :], mask=mask, other=0.0),
                     X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
                 dx = g - xhat * proj[:, None]
                 if CENTER:
@@ -516,3 +543,89 @@ def row_norm_backward_kernel(
                     db_ptrs = DB_PARTIAL + partial_row + cols
                     db_prev = tl.where(first, 0.0, tl.load(db_ptrs, mask=col_mask, other=0.0))
                     tl.store(db_ptrs, db_prev + tl.sum(dy, axis=0), mask=col_mask)
+
+
+# ======================================================================================
+# Scaling a stored gradient by the upstream gradient (the losses' backward).
+#
+# The losses compute their input gradients during the forward pass; backward only scales
+# them by dL_total/dloss. That factor is very often exactly 1 (loss.backward() on the loss
+# itself), and checking it on the host would need a device sync. The kernel reads the
+# factor on the device and leaves the tensor untouched where it is 1, so the common case
+# costs one launch instead of a full read and write of a vocabulary-sized buffer.
+# ======================================================================================
+
+SCALE_BLOCK = 4096
+SCALE_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _scale_in_place_kernel(X, SCALE, n_rows, n_cols, row_stride, PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
+                           ROUND_BY_HAND: tl.constexpr):
+    """``X[i, :] *= s`` in fp32 and rounded back, for rows i of an (n_rows, n_cols) view.
+
+    ``s`` is ``SCALE[0]`` or, with PER_ROW, ``SCALE[i]``. Rows whose factor is exactly 1
+    are neither read nor written. Persistent programs stride over rows.
+    """
+    offsets = tl.arange(0, BLOCK)
+    if not PER_ROW:
+        scale = tl.load(SCALE).to(tl.float32)
+    for row in tl.range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        if PER_ROW:
+            scale = tl.load(SCALE + row).to(tl.float32)
+        if scale != 1.0:
+            for start in range(0, n_cols, BLOCK):
+                cols = start + offsets
+                mask = cols < n_cols
+                ptrs = X + row * row_stride + cols
+                x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                y = _row_norm_round(x * scale, X.dtype.element_ty, ROUND_BY_HAND)
+                tl.store(ptrs, y.to(X.dtype.element_ty), mask=mask)
+
+
+def _scale_rows_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """Launcher: ``x`` (R, C) with unit column stride, ``scale`` 0-d/(1,) or (R,)."""
+    n_rows, n_cols = x.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    per_row = scale.numel() != 1
+    block, num_warps = row_launch_settings(n_cols, SCALE_BLOCK)
+    grid = (num_programs_for_rows(n_rows, x.device, SCALE_PROGRAMS_PER_SM),)
+    _scale_in_place_kernel[grid](x, scale, n_rows, n_cols, x.stride(0), PER_ROW=per_row, BLOCK=block,
+                                 ROUND_BY_HAND=is_interpreter(), num_warps=num_warps)
+
+
+@liger_custom_op("scale_in_place", mutates_args=("x",))
+def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``x *= scale`` in place, skipping the work (on the device, no sync) where the factor is 1.
+
+    ``scale`` is a single value (0-d or one element) or, for a 2-D ``x`` (R, C), one value
+    per row (R,). The product is formed in fp32 and rounded once to ``x``'s dtype. A
+    contiguous ``x`` is processed as rows of :data:`SCALE_BLOCK` elements whatever its shape;
+    other layouts fall back to ``torch.mul_``. ``x``'s autograd version is bumped even where
+    nothing changed, so a saved tensor scaled here cannot be silently reused by a second
+    backward.
+    """
+    if x.numel() == 0:
+        return
+    torch.autograd.graph.increment_version(x)
+    if scale.numel() != 1:
+        if x.dim() != 2 or scale.numel() != x.shape[0]:
+            raise ValueError(f"a per-row scale needs x (R, C) and scale (R,), got {tuple(x.shape)} and "
+                             f"{tuple(scale.shape)}")
+        if x.stride(1) == 1 or x.shape[1] == 1:
+            _scale_rows_in_place(x, scale.reshape(-1).contiguous())
+        else:
+            x.mul_(scale.reshape(-1, 1))
+        return
+    if x.is_contiguous():
+        flat = x.view(-1)
+        width = min(SCALE_BLOCK, flat.numel())
+        full_rows = flat.numel() // width
+        _scale_rows_in_place(flat[: full_rows * width].view(full_rows, width), scale.reshape(1))
+        if full_rows * width < flat.numel():
+            _scale_rows_in_place(flat[full_rows * width:].view(1, -1), scale.reshape(1))
+    elif x.dim() == 2 and x.stride(1) == 1:
+        _scale_rows_in_place(x, scale.reshape(1))
+    else:
+        x.mul_(scale.reshape(()))

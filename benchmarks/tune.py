@@ -1,0 +1,219 @@
+"""``python -m benchmarks.tune``: sweep the kernels' launch tunables at the target shapes.
+
+Each op module keeps its launch heuristics as module-level constants (``CE_PROGRAMS_PER_SM``,
+``FLCE_CHUNK_BUDGET_BYTES``, ``ROW_NORM_*``, ``ROPE_*``). This script sets each candidate
+value in turn, times the Liger op (forward + backward, median, L2 flushed) with the same
+harness as ``python -m benchmarks``, records peak extra memory, and writes ``tune.csv``
+with one row per (op, setting). The numbers decide the committed defaults; the tunables
+change the schedule only, never the result (the test suite checks several of them).
+
+It also times the components of one fused-linear-cross-entropy chunk (the three GEMMs and
+the loss kernel) so the gap to the matmul floor can be attributed.
+
+GPU only. Results are evidence for a default, not a test: nothing here gates CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import bench_cross_entropy, bench_norms, bench_rope
+from benchmarks.harness import (
+    MIB,
+    TimingConfig,
+    measure_hardware,
+    mode_callables,
+    peak_extra_mib,
+    restorers,
+    time_ms,
+)
+
+
+def _set(module: Any, values: dict[str, Any]) -> dict[str, Any]:
+    old = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    return old
+
+
+def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.device,
+             cfg: TimingConfig) -> tuple[float, float]:
+    """(median ms, peak extra MiB) of the Liger op's full step (forward + backward)."""
+    inputs = spec.make_inputs(shape, dtype, device)
+    fn = spec.liger()
+    restore = restorers(inputs, spec.liger_mutates)["full"]
+    call, setup = mode_callables(fn, inputs, "full", restore)
+    call(setup() if setup else None)  # compile / warm up
+    torch.cuda.synchronize(device)
+    peak = peak_extra_mib(call, setup, device)
+    ms = time_ms(call, setup, device, cfg)
+    del inputs, fn, call, setup, restore
+    torch.cuda.empty_cache()
+    return ms, peak
+
+
+def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]], spec, shape: dict[str, int],
+           dtype: torch.dtype, device: torch.device, cfg: TimingConfig,
+           writer: csv.DictWriter, deadline: float) -> None:
+    keys = list(grid)
+    for values in itertools.product(*(list(grid[k]) for k in keys)):
+        if time.perf_counter() > deadline:
+            print(f"{name}: time limit reached, rest skipped", flush=True)
+            return
+        setting = dict(zip(keys, values))
+        old = _set(module, setting)
+        try:
+            ms, peak = _measure(spec, shape, dtype, device, cfg)
+            status = "ok"
+        except torch.OutOfMemoryError:
+            ms, peak, status = float("nan"), float("nan"), "oom"
+        except Exception as exc:  # a setting may exceed a resource limit; record, go on
+            ms, peak, status = float("nan"), float("nan"), f"error: {type(exc).__name__}: {str(exc)[:120]}"
+        finally:
+            _set(module, old)
+        text = " ".join(f"{k}={v}" for k, v in setting.items())
+        print(f"{name} {text}: {ms:.4f} ms, peak {peak:.1f} MiB ({status})", flush=True)
+        writer.writerow({"op": name, "setting": text, "median_ms": f"{ms:.5f}", "peak_extra_mib": f"{peak:.2f}",
+                         "status": status})
+
+
+def _time_component(fn: Callable[[], Any], device: torch.device, cfg: TimingConfig) -> float:
+    fn()
+    torch.cuda.synchronize(device)
+    return time_ms(lambda _: fn(), None, device, cfg)
+
+
+def _chunk_parts(rows: int, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                 grad_weight: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """The per-chunk work of the fused linear cross entropy, one callable per step."""
+    from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel, mean_denominators
+
+    v, d = weight.shape
+    logits = torch.empty(rows, v, device=x.device, dtype=x.dtype)
+    grad_x = torch.empty(rows, d, device=x.device, dtype=x.dtype)
+    x_chunk, target_chunk = x[:rows], target[:rows]
+    loss = torch.empty(rows, device=x.device)
+    z_loss, correct = torch.empty_like(loss), torch.empty_like(loss)
+    ce_den, z_den, _ = mean_denominators(target, None, -100, v)
+
+    def logits_gemm() -> None:
+        torch.matmul(x_chunk, weight.t(), out=logits)
+
+    def logits_gemm_and_loss() -> None:
+        logits_gemm()  # fresh logits each call: the loss kernel overwrites them with G
+        launch_cross_entropy_kernel(logits, logits, target_chunk, None, None, loss, z_loss, correct, ce_den, z_den,
+                                    -100, 0.0, 0.0, 0.0, True, True, False)
+
+    return {
+        "logits_gemm": logits_gemm,
+        "logits_gemm+ce_kernel": logits_gemm_and_loss,
+        "grad_x_gemm": lambda: torch.matmul(logits, weight, out=grad_x),
+        "grad_w_addmm": lambda: grad_weight.addmm_(logits.t(), x_chunk),
+    }
+
+
+def flce_chunk_breakdown(chunk_rows: Iterable[int], device: torch.device, cfg: TimingConfig,
+                         writer: csv.DictWriter) -> None:
+    """Per-chunk GEMM and loss-kernel times at N 8192, D 4096, V 128256 bf16, per chunk size."""
+    n, d, v = 8192, 4096, 128256
+    x = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+    weight = (0.02 * torch.randn(v, d, device=device)).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), device=device)
+    grad_weight = torch.empty_like(weight)
+    for rows in chunk_rows:
+        parts = _chunk_parts(rows, x, weight, target, grad_weight)
+        flops = 2 * rows * d * v
+        chunks = -(-n // rows)
+        for part, fn in parts.items():
+            ms = _time_component(fn, device, cfg)
+            tflops = flops / ms / 1e9 if part != "logits_gemm+ce_kernel" else float("nan")
+            print(f"flce chunk {rows}: {part} {ms:.4f} ms ({tflops:.0f} TFLOP/s), x{chunks} chunks = "
+                  f"{ms * chunks:.2f} ms", flush=True)
+            writer.writerow({"op": "flce_chunk_breakdown", "setting": f"rows={rows} part={part}",
+                             "median_ms": f"{ms:.5f}", "peak_extra_mib": "", "status": f"{tflops:.1f} TFLOP/s"})
+        del parts
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--only", default="", help="comma list of cross_entropy,flce,flce_breakdown,rms_norm,"
+                                              "layer_norm,rope (default: all)")
+    p.add_argument("--max-seconds", type=float, default=400.0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import liger_kernel.ops.cross_entropy as ce_ops
+    import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
+    import liger_kernel.ops.rope as rope_ops
+    import liger_kernel.ops.utils as ops_utils
+
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    cfg = TimingConfig(warmup_ms=10.0, rep_ms=60.0)
+    hw = measure_hardware(device, cfg)
+    print(hw.describe(), flush=True)
+    only = {s for s in args.only.split(",") if s}
+    specs = {s.name: s for m in (bench_norms, bench_rope, bench_cross_entropy) for s in m.SPECS}
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.perf_counter() + args.max_seconds
+    with open(args.out / "tune.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["op", "setting", "median_ms", "peak_extra_mib", "status"])
+        writer.writeheader()
+        writer.writerow({"op": "hardware", "setting": hw.describe(), "median_ms": "", "peak_extra_mib": "",
+                         "status": torch.cuda.get_device_name(device)})
+
+        def want(name: str) -> bool:
+            return not only or name in only
+
+        if want("rms_norm"):
+            spec = specs["rms_norm"]
+            _sweep("rms_norm", ops_utils, {
+                "ROW_NORM_BACKWARD_PREFETCH": (True, False),
+                "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192, 16384),
+                "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (4, 8, 16),
+                "ROW_NORM_WARPS_PER_SM": (32, 64),
+            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("layer_norm"):
+            spec = specs["layer_norm"]
+            _sweep("layer_norm", ops_utils, {
+                "ROW_NORM_BACKWARD_PREFETCH": (True, False),
+                "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
+                "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (4, 8),
+            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("cross_entropy"):
+            spec = specs["cross_entropy"]
+            _sweep("cross_entropy", ce_ops, {
+                "CE_PROGRAMS_PER_SM": (1, 2, 4),
+                "CE_MAX_BLOCK": (4096, 8192, 16384, 32768),
+            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("rope"):
+            spec = specs["rope"]
+            _sweep("rope", rope_ops, {
+                "ROPE_TILE_ELEMENTS": (2048, 4096, 8192, 16384),
+                "ROPE_MAX_BLOCK_HEADS": (8, 32, 64),
+            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("flce_breakdown"):
+            flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
+        if want("flce"):
+            spec = specs["fused_linear_cross_entropy"]
+            _sweep("fused_linear_cross_entropy", flce_ops, {
+                "FLCE_CHUNK_BUDGET_BYTES": tuple(m * MIB for m in (64, 96, 128, 192, 256, 512)),
+            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+    print(f"CSV: {args.out / 'tune.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
