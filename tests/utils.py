@@ -47,3 +47,40 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||a - e|| / ||e|| in float64."""
     a, e = actual.double(), expected.double()
     return float((a - e).norm() / e.norm().clamp_min(1e-300))
+
+
+_INTERPRETER_PROBE = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def probe(X, n):
+    for i in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+        tl.store(X + i, 1.0)
+
+x = torch.zeros(4)
+probe[(2,)](x, 4)
+assert bool((x == 1).all())
+"""
+
+
+def cpu_interpreter_problem() -> str | None:
+    """Why the Triton interpreter cannot run our kernels in a subprocess here, or None.
+
+    On a GPU machine some tests (the CLI's ``--cpu-tiny`` mode, the gloo distributed runs)
+    still use the interpreter on CPU. Triton 3.6's interpreter fails with current NumPy 2
+    releases on a loop over program ids (it converts a 1-element array with ``int()``);
+    CI's newer Triton does not. Probed once, in a subprocess with ``TRITON_INTERPRET=1``.
+    """
+    global _INTERPRETER_STATUS
+    if _INTERPRETER_STATUS is None:
+        import subprocess
+        import sys
+
+        proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], capture_output=True, text=True,
+                              env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), timeout=300)
+        tail = (proc.stderr.strip().splitlines() or [""])[-1]
+        _INTERPRETER_STATUS = "" if proc.returncode == 0 else f"the Triton CPU interpreter fails here: {tail[:200]}"
+    return _INTERPRETER_STATUS or None
+
+
+_INTERPRETER_STATUS: str | None = None

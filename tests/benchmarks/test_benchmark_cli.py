@@ -22,6 +22,7 @@ import torch
 
 from benchmarks import __main__ as cli
 from benchmarks import harness
+from tests.utils import cpu_interpreter_problem
 
 REPO = Path(__file__).resolve().parents[2]
 H200 = harness.Hardware(device="cuda", name="H200 (issue numbers)", copy_bytes_per_s=4.27e12,
@@ -30,6 +31,9 @@ H200 = harness.Hardware(device="cuda", name="H200 (issue numbers)", copy_bytes_p
 
 
 def _run_cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    problem = cpu_interpreter_problem() if torch.cuda.is_available() else None
+    if problem:
+        pytest.skip(f"--cpu-tiny: {problem}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "benchmarks", "--cpu-tiny", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -103,11 +103,12 @@ def chunked_low_precision_logits(x, lin_weight, bias):
     n_rows = x.shape[0]
     step = flce_ops.chunk_rows_for(n_rows, lin_weight.shape[0], x.element_size()) if n_rows else 1
     chunks = []
-    for start in range(0, n_rows, step):
-        rows = x[start : start + step]
-        chunks.append(
-            torch.matmul(rows, lin_weight.t()) if bias is None else torch.addmm(bias, rows, lin_weight.t())
-        )
+    with flce_ops.gemm_reduction_precision():  # the op's GEMM settings, so the roundings agree
+        for start in range(0, n_rows, step):
+            rows = x[start : start + step]
+            chunks.append(
+                torch.matmul(rows, lin_weight.t()) if bias is None else torch.addmm(bias, rows, lin_weight.t())
+            )
     return torch.cat(chunks) if chunks else x.new_empty((0, lin_weight.shape[0]))
 
 

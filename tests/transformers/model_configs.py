@@ -14,7 +14,7 @@ import importlib
 
 import torch
 
-from tests.utils import FULL_SHAPES
+from tests.utils import DEVICE, FULL_SHAPES
 
 MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3")
 
@@ -85,14 +85,14 @@ def causal_lm_class(model_type: str) -> type:
 
 
 def build_model(model_type: str, seed: int = 0, config=None, dtype: torch.dtype = torch.float32, **overrides):
-    """A freshly initialised ``*ForCausalLM`` (HF init, fixed seed), in ``dtype``."""
+    """A freshly initialised ``*ForCausalLM`` (HF init, fixed seed), in ``dtype``, on the test device."""
     config = config if config is not None else tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     model = causal_lm_class(model_type)(config)
-    return model.to(dtype)
+    return model.to(device=DEVICE, dtype=dtype)
 
 
-def random_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int | None = None, device: str = "cpu"):
+def random_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int | None = None, device: str = DEVICE):
     """``input_ids`` (B, T) avoiding the special ids 0-2, an all-ones mask with one padded row tail,
     and labels = input_ids with the padding set to -100."""
     generator = None

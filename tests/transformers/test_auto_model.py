@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from liger_kernel.transformers import AutoLigerKernelForCausalLM, revert_liger_kernel  # noqa: E402
 from tests.transformers.model_configs import VOCAB, build_model, random_batch, tiny_config  # noqa: E402
+from tests.utils import DEVICE  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ def test_from_config_patches_and_passes_hf_kwargs_through():
 def test_from_pretrained_round_trip(tmp_path):
     reference = build_model("mistral", seed=4)
     reference.save_pretrained(tmp_path)
-    model = AutoLigerKernelForCausalLM.from_pretrained(tmp_path, geglu=True)  # geglu: not a mistral option
+    model = AutoLigerKernelForCausalLM.from_pretrained(tmp_path, geglu=True).to(DEVICE)  # geglu: not a mistral option
     assert "forward" in vars(model) and "forward" in vars(model.model.layers[1].mlp)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, atol=0, rtol=0, msg=name)

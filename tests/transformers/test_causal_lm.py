@@ -27,6 +27,7 @@ pytest.importorskip("transformers")
 from liger_kernel.transformers import _apply_liger_kernel_to_instance, revert_liger_kernel  # noqa: E402
 from liger_kernel.transformers.causal_lm import liger_causal_lm_loss  # noqa: E402
 from tests.transformers.model_configs import VOCAB, build_model, random_batch  # noqa: E402
+from tests.utils import DEVICE  # noqa: E402
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}
 
@@ -89,7 +90,7 @@ def test_num_items_in_batch_and_exact_gradient_accumulation():
     num_items = int((batch["labels"][:, 1:] != -100).sum())
 
     # Per micro-batch: sum / num_items_in_batch, equal to HF's, tensor or int.
-    for items in (torch.tensor(num_items), num_items):
+    for items in (torch.tensor(num_items, device=DEVICE), num_items):
         ref_out, ref_grads = _run(reference, **micro[0], num_items_in_batch=items)
         out, grads = _run(patched, **micro[0], num_items_in_batch=items)
         torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
@@ -102,7 +103,7 @@ def test_num_items_in_batch_and_exact_gradient_accumulation():
     patched.zero_grad(set_to_none=True)
     total = 0.0
     for part in micro:
-        loss = patched(**part, num_items_in_batch=torch.tensor(num_items)).loss
+        loss = patched(**part, num_items_in_batch=torch.tensor(num_items, device=DEVICE)).loss
         loss.backward()
         total = total + loss.detach()
     torch.testing.assert_close(total, full_loss, **TOL)
@@ -112,7 +113,7 @@ def test_num_items_in_batch_and_exact_gradient_accumulation():
 def test_shift_labels_and_ignore_index():
     reference, patched = _pair()
     batch = random_batch(VOCAB, seed=3)
-    shift_labels = torch.randint(3, VOCAB, batch["labels"].shape)
+    shift_labels = torch.randint(3, VOCAB, batch["labels"].shape, device=DEVICE)
     shift_labels[:, ::3] = -100
     ref_out, ref_grads = _run(reference, **batch, shift_labels=shift_labels)
     out, grads = _run(patched, **batch, shift_labels=shift_labels)
@@ -128,7 +129,7 @@ def test_logits_to_keep(logits_to_keep):
     batch = random_batch(VOCAB, seed=4)
     seq = batch["input_ids"].shape[1]
     if logits_to_keep == "tensor":
-        logits_to_keep = torch.tensor([0, 3, seq - 1])
+        logits_to_keep = torch.tensor([0, 3, seq - 1], device=DEVICE)
         kept = 3
     else:
         kept = logits_to_keep
@@ -222,7 +223,7 @@ def test_cross_entropy_option_uses_liger_loss_on_logits():
     reference, patched = _pair(cross_entropy=True, fused_linear_cross_entropy=False)
     assert patched.loss_function is liger_causal_lm_loss
     batch = random_batch(VOCAB, seed=9)
-    for extra in ({}, {"num_items_in_batch": torch.tensor(17)}):
+    for extra in ({}, {"num_items_in_batch": torch.tensor(17, device=DEVICE)}):
         ref_out, ref_grads = _run(reference, **batch, **extra)
         out, grads = _run(patched, **batch, **extra)
         torch.testing.assert_close(out.loss, ref_out.loss, **TOL)

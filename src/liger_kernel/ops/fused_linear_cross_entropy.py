@@ -28,6 +28,7 @@ recomputes each chunk's logits with ``G_i`` scaled by ``g_i`` inside the kernel.
 Memory beyond the gradients themselves: the (C, V) chunk buffer plus O(N + V).
 """
 
+import contextlib
 import functools
 
 import torch
@@ -44,7 +45,7 @@ from liger_kernel.ops.utils import (
     check_same_device,
     check_tensor,
     liger_custom_op,
-    scale_in_place,
+    scale_gradient,
 )
 
 # Bytes of the (C, V) chunk logits buffer (module-level tunable). 96 MiB keeps a
@@ -55,6 +56,28 @@ FLCE_CHUNK_BUDGET_BYTES = 96 * 2**20
 # Chunks of at least this many rows are rounded down to a multiple of it (tensor-core
 # friendly GEMM shapes); smaller ones to a power of two.
 FLCE_CHUNK_ROW_MULTIPLE = 128
+
+
+# cuBLAS may reduce split-K partial sums in bf16/fp16 when torch allows it (the default).
+# The dX GEMM reduces over the whole vocabulary (K = V, up to 262144), where those extra
+# roundings would dominate the error; the chunk GEMMs run with fp32 reductions instead.
+FLCE_FP32_GEMM_REDUCTION = True
+
+
+@contextlib.contextmanager
+def gemm_reduction_precision():
+    """Within this block, cuBLAS reduces split-K partial sums in fp32 (see FLCE_FP32_GEMM_REDUCTION)."""
+    matmul = torch.backends.cuda.matmul
+    if not FLCE_FP32_GEMM_REDUCTION:
+        yield
+        return
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
 
 
 def chunk_rows_for(n_rows: int, n_cols: int, element_size: int) -> int:
@@ -157,43 +180,44 @@ def _chunked_loss_and_grads(
     compute_grad = grad_input_needed or grad_weight_needed or grad_bias_needed
 
     if n_rows > 0:
-        chunk_rows = chunk_rows_for(n_rows, n_cols, x.element_size())
-        chunk_buffer = torch.empty((chunk_rows, n_cols), device=device, dtype=x.dtype)
-        weight_t = weight.t()
-        for start in range(0, n_rows, chunk_rows):
-            stop = min(start + chunk_rows, n_rows)
-            x_chunk = x[start:stop]
-            logits = chunk_buffer[: stop - start]
-            if bias is None:
-                torch.matmul(x_chunk, weight_t, out=logits)
-            else:
-                torch.addmm(bias, x_chunk, weight_t, out=logits)
-            launch_cross_entropy_kernel(
-                logits,
-                logits,
-                target[start:stop],
-                class_weight,
-                None if row_scale is None else row_scale[start:stop],
-                loss_rows[start:stop],
-                z_rows[start:stop],
-                correct_rows[start:stop],
-                ce_denominator,
-                z_denominator,
-                ignore_index,
-                label_smoothing,
-                lse_square_scale,
-                softcap,
-                mean_reduction,
-                compute_grad,
-                compute_accuracy,
-            )
-            if grad_input_needed:
-                torch.matmul(logits, weight, out=grad_input[start:stop])
-            if grad_weight_needed:
-                _accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
-            if grad_bias_needed:
-                grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
-        del chunk_buffer
+        with gemm_reduction_precision():
+            chunk_rows = chunk_rows_for(n_rows, n_cols, x.element_size())
+            chunk_buffer = torch.empty((chunk_rows, n_cols), device=device, dtype=x.dtype)
+            weight_t = weight.t()
+            for start in range(0, n_rows, chunk_rows):
+                stop = min(start + chunk_rows, n_rows)
+                x_chunk = x[start:stop]
+                logits = chunk_buffer[: stop - start]
+                if bias is None:
+                    torch.matmul(x_chunk, weight_t, out=logits)
+                else:
+                    torch.addmm(bias, x_chunk, weight_t, out=logits)
+                launch_cross_entropy_kernel(
+                    logits,
+                    logits,
+                    target[start:stop],
+                    class_weight,
+                    None if row_scale is None else row_scale[start:stop],
+                    loss_rows[start:stop],
+                    z_rows[start:stop],
+                    correct_rows[start:stop],
+                    ce_denominator,
+                    z_denominator,
+                    ignore_index,
+                    label_smoothing,
+                    lse_square_scale,
+                    softcap,
+                    mean_reduction,
+                    compute_grad,
+                    compute_accuracy,
+                )
+                if grad_input_needed:
+                    torch.matmul(logits, weight, out=grad_input[start:stop])
+                if grad_weight_needed:
+                    _accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
+                if grad_bias_needed:
+                    grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
+            del chunk_buffer
     if grad_weight_needed and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias_needed:
@@ -466,13 +490,12 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         needs_input, needs_weight, needs_bias = ctx.needs
         if ctx.reduction != "none":
             grad_input, grad_weight, grad_bias = ctx.saved_tensors
-            for grad, needed in (
-                (grad_input, needs_input),
-                (grad_weight, needs_weight),
-                (grad_bias, needs_bias),
-            ):
-                if needed:
-                    scale_in_place(grad, grad_loss)
+            if needs_input:
+                grad_input = scale_gradient(grad_input, grad_loss)
+            if needs_weight:
+                grad_weight = scale_gradient(grad_weight, grad_loss)
+            if needs_bias:
+                grad_bias = scale_gradient(grad_bias, grad_loss)
         else:
             x, weight, target, bias, ce_weight = ctx.saved_tensors
             grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_backward(

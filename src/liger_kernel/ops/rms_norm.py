@@ -212,7 +212,10 @@ class LigerRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         X, W, rstd = ctx.saved_tensors
-        write_into_grad = ctx.in_place and grad_output.is_contiguous() and grad_output.dtype == X.dtype
+        # Under torch.compile the backward must not mutate its input (it may be a view the
+        # traced graph created without grad; Inductor plans the buffers itself).
+        write_into_grad = (ctx.in_place and not torch.compiler.is_compiling() and grad_output.is_contiguous()
+                           and grad_output.dtype == X.dtype)
         grad_x, grad_w = rms_norm_backward(grad_output, X, W, rstd, ctx.offset, ctx.casting_mode,
                                            write_into_grad)
         if write_into_grad:

@@ -283,6 +283,14 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLa
 
 
 @triton.jit
+def _div(total, count):
+    """``total / count`` correctly rounded: Triton's ``/`` on fp32 is an approximate division
+    on the GPU, and a mean that misses by an ulp (a constant row whose mean is not exactly
+    its value) is amplified by rstd up to 1/sqrt(eps)."""
+    return tl.math.div_rn(total, count * 1.0)
+
+
+@triton.jit
 def _row_norm_round(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
     """fp32 ``x`` rounded to ``dtype`` (nearest even) and returned as fp32.
 
@@ -343,9 +351,9 @@ def row_norm_forward_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if CENTER:
-            mean = tl.sum(xc, axis=1) / n_cols
+            mean = _div(tl.sum(xc, axis=1), n_cols)
             xc = tl.where(mask, xc - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        rstd = tl.rsqrt(_div(tl.sum(xc * xc, axis=1), n_cols) + eps)
         _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
                               HAS_BIAS, CASTING, ROUND_BY_HAND)
     else:
@@ -360,7 +368,7 @@ def row_norm_forward_kernel(
             if CENTER:
                 seen = start * 1.0
                 block_n = tl.minimum(n_cols - start, BLOCK_COLS) * 1.0
-                block_mean = tl.sum(x, axis=1) / block_n
+                block_mean = _div(tl.sum(x, axis=1), block_n)
                 d = tl.where(mask, x - block_mean[:, None], 0.0)
                 delta = block_mean - mean
                 total = seen + block_n
@@ -369,9 +377,9 @@ def row_norm_forward_kernel(
             else:
                 sum_sq += x * x
         if CENTER:
-            var = m2 / n_cols
+            var = _div(m2, n_cols)
         else:
-            var = tl.sum(sum_sq, axis=1) / n_cols
+            var = _div(tl.sum(sum_sq, axis=1), n_cols)
         rstd = tl.rsqrt(var + eps)
         # Pass 2: normalise and store (the row is re-read, mostly from L2).
         for start in range(0, n_cols, BLOCK_COLS):
@@ -474,10 +482,10 @@ def row_norm_backward_kernel(
                 mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
             dy, xhat, g, xhat_w = _row_norm_grad_terms(
                 dy_raw, x_raw, X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
-            proj = tl.sum(g * xhat, axis=1) / n_cols
+            proj = _div(tl.sum(g * xhat, axis=1), n_cols)
             dx = g - xhat * proj[:, None]
             if CENTER:
-                dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
+                dx -= _div(tl.sum(g, axis=1), n_cols)[:, None]
             dx = dx * rstd[:, None]
             if ROUND_BY_HAND:
                 dx = _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND)
@@ -515,8 +523,8 @@ def row_norm_backward_kernel(
                 proj_acc += g * xhat
                 if CENTER:
                     g_acc += g
-            proj = tl.sum(proj_acc, axis=1) / n_cols
-            g_mean = tl.sum(g_acc, axis=1) / n_cols
+            proj = _div(tl.sum(proj_acc, axis=1), n_cols)
+            g_mean = _div(tl.sum(g_acc, axis=1), n_cols)
             # Pass 2: dx, and this program's partial dW/dB (its own buffer row, so the
             # read-modify-write needs no atomics; the first tile overwrites garbage).
             first = tile == pid
@@ -629,3 +637,15 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
         _scale_rows_in_place(x, scale.reshape(1))
     else:
         x.mul_(scale.reshape(()))
+
+
+def scale_gradient(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x * scale`` for a loss's backward: in place (see :func:`scale_in_place`) in eager
+    mode, out of place while ``torch.compile`` traces (a traced backward must not mutate a
+    saved tensor; Inductor fuses the multiply and plans the memory itself)."""
+    if torch.compiler.is_compiling():
+        if scale.numel() != 1:
+            return x * scale.reshape(-1, 1)
+        return x * scale.reshape(())
+    scale_in_place(x, scale)
+    return x
