@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-sweep", action="store_true",
                    help="torch.compile every sweep shape too (default: target shapes only; compiling is slow)")
     p.add_argument("--no-plots", action="store_true", help="skip bench.png")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", dest="overrides",
+                   help="override a launch tunable for this run, e.g. "
+                        "liger_kernel.ops.cross_entropy.CE_PREFETCH=False (repeatable; recorded in overrides.txt)")
     p.add_argument("--list", action="store_true", help="print the ops and their shapes, then exit")
     return p.parse_args(argv)
 
@@ -79,6 +82,26 @@ def choose_device(cpu_tiny: bool) -> str:
                            "run `python -m benchmarks --cpu-tiny` in a fresh process")
     os.environ["TRITON_INTERPRET"] = "1"
     return "cpu"
+
+
+def apply_overrides(overrides: list[str]) -> list[str]:
+    """Set module-level tunables (``package.module.NAME=python-literal``); returns them as applied."""
+    import ast
+    import importlib
+
+    applied = []
+    for item in overrides:
+        target, sep, text = item.partition("=")
+        module_name, _, attr = target.strip().rpartition(".")
+        if not sep or not module_name:
+            raise SystemExit(f"--set expects MODULE.NAME=VALUE, got {item!r}")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):
+            raise SystemExit(f"--set: {module_name} has no tunable {attr}")
+        value = ast.literal_eval(text.strip())
+        setattr(module, attr, value)
+        applied.append(f"{module_name}.{attr}={value!r}")
+    return applied
 
 
 def load_specs(ops: tuple[str, ...]):
@@ -119,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
 
+    applied = apply_overrides(args.overrides)
+    if applied:
+        (out / "overrides.txt").write_text("\n".join(applied) + "\n")
+        print("tunables overridden for this run: " + ", ".join(applied), flush=True)
     timing = harness.TimingConfig(warmup_ms=args.warmup, rep_ms=args.rep)
     cfg = harness.RunConfig(
         device=device, dtype=getattr(torch, DTYPES[args.dtype]), modes=args.modes, providers=args.providers,

@@ -63,12 +63,14 @@ def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.devi
 
 def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]], spec, shape: dict[str, int],
            dtype: torch.dtype, device: torch.device, cfg: TimingConfig,
-           writer: csv.DictWriter, deadline: float) -> None:
+           writer: csv.DictWriter, deadline: float) -> dict[str, Any] | None:
+    """Time every combination of ``grid``; returns the fastest setting (None if none ran)."""
     keys = list(grid)
+    best: tuple[float, dict[str, Any]] | None = None
     for values in itertools.product(*(list(grid[k]) for k in keys)):
         if time.perf_counter() > deadline:
             print(f"{name}: time limit reached, rest skipped", flush=True)
-            return
+            break
         setting = dict(zip(keys, values))
         old = _set(module, setting)
         try:
@@ -84,6 +86,9 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]], spec, shape: 
         print(f"{name} {text}: {ms:.4f} ms, peak {peak:.1f} MiB ({status})", flush=True)
         writer.writerow({"op": name, "setting": text, "median_ms": f"{ms:.5f}", "peak_extra_mib": f"{peak:.2f}",
                          "status": status})
+        if status == "ok" and (best is None or ms < best[0]):
+            best = (ms, setting)
+    return None if best is None else {f"{module.__name__}.{k}": v for k, v in best[1].items()}
 
 
 def _time_component(fn: Callable[[], Any], device: torch.device, cfg: TimingConfig) -> float:
@@ -150,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma list of cross_entropy,flce,flce_breakdown,rms_norm,"
                                               "layer_norm,rope (default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
+    p.add_argument("--emit-best", type=Path, default=None,
+                   help="write the fastest setting of each swept op (except the fused linear cross entropy, "
+                        "whose chunk size trades time for memory) as MODULE.NAME=VALUE lines, for "
+                        "`python -m benchmarks --set`")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.tune needs a CUDA GPU", file=sys.stderr)
@@ -174,12 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerow({"op": "hardware", "setting": hw.describe(), "median_ms": "", "peak_extra_mib": "",
                          "status": torch.cuda.get_device_name(device)})
 
+        bests: dict[str, dict[str, Any] | None] = {}
+
         def want(name: str) -> bool:
             return not only or name in only
 
         if want("rms_norm"):
             spec = specs["rms_norm"]
-            _sweep("rms_norm", ops_utils, {
+            bests["rms_norm"] = _sweep("rms_norm", ops_utils, {
                 "ROW_NORM_BACKWARD_PREFETCH": (True, False),
                 "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192, 16384),
                 "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (4, 8, 16),
@@ -187,20 +198,21 @@ def main(argv: list[str] | None = None) -> int:
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("layer_norm"):
             spec = specs["layer_norm"]
-            _sweep("layer_norm", ops_utils, {
+            bests["layer_norm"] = _sweep("layer_norm", ops_utils, {
                 "ROW_NORM_BACKWARD_PREFETCH": (True, False),
                 "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
                 "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (4, 8),
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("cross_entropy"):
             spec = specs["cross_entropy"]
-            _sweep("cross_entropy", ce_ops, {
+            bests["cross_entropy"] = _sweep("cross_entropy", ce_ops, {
+                "CE_PREFETCH": (True, False),
                 "CE_PROGRAMS_PER_SM": (1, 2, 4),
-                "CE_MAX_BLOCK": (4096, 8192, 16384, 32768),
+                "CE_MAX_BLOCK": (8192, 16384, 32768),
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("rope"):
             spec = specs["rope"]
-            _sweep("rope", rope_ops, {
+            bests["rope"] = _sweep("rope", rope_ops, {
                 "ROPE_TILE_ELEMENTS": (2048, 4096, 8192, 16384),
                 "ROPE_MAX_BLOCK_HEADS": (8, 32, 64),
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
@@ -212,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
                 "FLCE_CHUNK_BUDGET_BYTES": tuple(m * MIB for m in (64, 96, 128, 192, 256, 512)),
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
     print(f"CSV: {args.out / 'tune.csv'}")
+    if args.emit_best is not None:
+        # rms_norm and layer_norm share the ROW_NORM_* tunables: RMSNorm's sweep decides them.
+        lines = {}
+        for op in ("layer_norm", "rms_norm", "cross_entropy", "rope"):
+            lines.update(bests.get(op) or {})
+        args.emit_best.write_text("".join(f"{k}={v!r}\n" for k, v in lines.items()))
+        print("best: " + ", ".join(f"{k}={v!r}" for k, v in lines.items()))
     return 0
 
 

@@ -24,11 +24,14 @@ SHAPES = shapes(
 )
 
 
-@pytest.fixture(params=["one_block", "many_blocks"])
+@pytest.fixture(params=["one_block", "many_blocks", "many_blocks_no_prefetch"])
 def column_block(request, monkeypatch):
-    """Also run with a tiny column block so small vocabularies take the multi-block loop."""
-    if request.param == "many_blocks":
+    """Also run with a tiny column block so small vocabularies take the multi-block loop,
+    with and without the one-block-ahead loads."""
+    if request.param.startswith("many_blocks"):
         monkeypatch.setattr(ce_ops, "CE_MAX_BLOCK", 256)
+    if request.param.endswith("no_prefetch"):
+        monkeypatch.setattr(ce_ops, "CE_PREFETCH", False)
     return request.param
 
 

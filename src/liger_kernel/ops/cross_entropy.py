@@ -66,6 +66,9 @@ CE_MAX_BLOCK = 32768
 # second read (pass 2) in L2: a 128K-vocab bf16 row is 256 KB and H200's L2 is 50 MB.
 CE_PROGRAMS_PER_SM = 2
 
+# Load each column block one iteration ahead (register double-buffering) in both passes.
+CE_PREFETCH = True
+
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -133,6 +136,7 @@ def _cross_entropy_kernel(
     COMPUTE_GRAD: tl.constexpr,
     COMPUTE_ACCURACY: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent loop over rows; per row, per-row loss/z-loss/correctness and (optionally) dL/dx."""
     offsets = tl.arange(0, BLOCK_SIZE)
@@ -172,10 +176,19 @@ def _cross_entropy_kernel(
             weight_total = 0.0
             best_raw = float("-inf")
             best_index = 0
+            if PREFETCH:
+                x_next = tl.load(logits_row + offsets, mask=offsets < n_cols, other=float("-inf"))
             for start in range(0, n_cols, BLOCK_SIZE):
                 cols = start + offsets
                 mask = cols < n_cols
-                x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                if PREFETCH:
+                    # Issue the next block's load before this block's reductions, so the
+                    # loop is not a chain of load latency followed by compute.
+                    x = x_next.to(tl.float32)
+                    ahead = cols + BLOCK_SIZE
+                    x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
+                else:
+                    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
                 if COMPUTE_ACCURACY:
                     block_max_raw = tl.max(x, axis=0)
                     block_index = tl.min(tl.where(x == block_max_raw, cols, n_cols), axis=0)
@@ -246,10 +259,19 @@ def _cross_entropy_kernel(
                 # Last block first: the blocks pass 1 read most recently are the likeliest
                 # still to be in L2.
                 n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
+                if PREFETCH:
+                    last = (n_blocks - 1) * BLOCK_SIZE + offsets
+                    x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
                 for block_index in range(0, n_blocks):
                     cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
                     mask = cols < n_cols
-                    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                    if PREFETCH:
+                        x = x_next.to(tl.float32)
+                        behind = cols - BLOCK_SIZE
+                        x_next = tl.load(logits_row + behind, mask=(behind >= 0) & (behind < n_cols),
+                                         other=float("-inf"))
+                    else:
+                        x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
                     if HAS_SOFTCAP:
                         capped, cap_slope = _tanh_and_sech2(x / softcap)
                         x = softcap * capped
@@ -327,6 +349,7 @@ def launch_cross_entropy_kernel(
         COMPUTE_GRAD=compute_grad,
         COMPUTE_ACCURACY=compute_accuracy,
         BLOCK_SIZE=block,
+        PREFETCH=CE_PREFETCH,
         num_warps=num_warps,
     )
 
