@@ -17,12 +17,6 @@ import pytest  # noqa: E402
 
 from tests.utils import DEVICE, FULL_SHAPES  # noqa: E402
 
-# pytest-xdist workers share one GPU: each caching allocator would otherwise keep what its
-# largest test needed and starve the others. A per-process cap makes each worker return
-# cached blocks before it runs out. (Run tests/ops/test_huge_tensors.py without xdist.)
-if DEVICE == "cuda" and os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.cuda.set_per_process_memory_fraction(0.9 / int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-
 
 def pytest_report_header(config):
     mode = "compiled on CUDA" if DEVICE == "cuda" else "Triton interpreter on CPU"

@@ -15,8 +15,11 @@ loss difference 1.4e-6, worst top-k log-prob difference 1.4e-6, worst parameter 
 5.1e-6 (Gemma). We allow 2e-5 absolute (+1e-5 relative): 4x the worst parameter drift, and
 three orders of magnitude below what a wrong shift, mask, soft-cap or norm offset does (it
 moves the first loss by > 1e-2). The GPU sizes (4 layers, 256 tokens, vocab 4096) train
-more tokens through more layers, so the drift budget there is 1e-4 (not yet measured on a
-GPU when this was written).
+more tokens through more layers, so the drift budget there is 1e-4; on the H200 (2026-12-03)
+fp32 losses drifted up to 7e-4 after 32 steps for some families, which HF's own fp32 run
+shows against float64 too. So at those sizes the unpatched model is also trained in float64
+and a result passes if it is within the tolerance of HF's, or no further from the float64
+run than 2x HF-fp32's own distance (plus the tolerance).
 
 bf16 (GPU only: the interpreter has no fast bf16 path): both models run in bf16, where one
 op already rounds at 2**-8 = 3.9e-3 relative and the two paths round at different points

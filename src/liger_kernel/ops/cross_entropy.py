@@ -58,13 +58,14 @@ from liger_kernel.ops.utils import (
 )
 
 # Column block of the row loop (a power of two; tests lower it to exercise the multi-block
-# path on small vocabularies). H200 sweep (benchmarks/tune.py, N 8192, V 128256 bf16):
-# 32768 (32 warps) 2.05 ms, 16384 2.12 ms, 8192 2.25 ms, 4096 3.07 ms at 2 programs/SM.
+# path on small vocabularies). H200, N 8192, V 128256 bf16, in-place forward
+# (scripts/ce_config_check.py, 2026-12-03): 32768 (32 warps) 1.82-1.85 ms, 16384 2.06-2.27 ms,
+# 8192 2.07-2.14 ms, for either prefetch setting and 2 or 4 programs per SM.
 CE_MAX_BLOCK = 32768
 
 # Programs per SM of the persistent row loop. Few resident rows per SM keep a row's
 # second read (pass 2) in L2: a 128K-vocab bf16 row is 256 KB and H200's L2 is 50 MB.
-CE_PROGRAMS_PER_SM = 2
+CE_PROGRAMS_PER_SM = 4
 
 # Load each column block one iteration ahead (register double-buffering) in both passes.
 CE_PREFETCH = True
@@ -176,6 +177,7 @@ def _cross_entropy_kernel(
             weight_total = 0.0
             best_raw = float("-inf")
             best_index = 0
+            target_logit = 0.0
             if PREFETCH:
                 x_next = tl.load(logits_row + offsets, mask=offsets < n_cols, other=float("-inf"))
             for start in range(0, n_cols, BLOCK_SIZE):
@@ -197,6 +199,11 @@ def _cross_entropy_kernel(
                 if HAS_SOFTCAP:
                     capped, _ = _tanh_and_sech2(x / softcap)
                     x = tl.where(mask, softcap * capped, float("-inf"))
+                # The target's logit is taken from the block in registers, not re-loaded after
+                # pass 1: pass 2 overwrites the row in place, and another warp of this program
+                # may already be storing there (no barrier orders a later load before it).
+                if (safe_target >= start) & (safe_target < start + BLOCK_SIZE):
+                    target_logit = tl.sum(tl.where(cols == safe_target, x, 0.0), axis=0)
                 new_max = tl.maximum(running_max, tl.max(x, axis=0))
                 # While every value so far is -inf, shift by 0 instead (exp(-inf - -inf) is NaN).
                 shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -211,10 +218,6 @@ def _cross_entropy_kernel(
                         smooth_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
             lse = running_max + tl.log(sum_exp)
 
-            target_logit = tl.load(logits_row + safe_target, mask=target_valid, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                capped_target, _ = _tanh_and_sech2(target_logit / softcap)
-                target_logit = softcap * capped_target
             if HAS_CLASS_WEIGHT:
                 target_weight = tl.load(class_weight_ptr + safe_target, mask=target_valid, other=0.0)
                 target_weight = target_weight.to(tl.float32)
