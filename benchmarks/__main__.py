@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop starting new cases after this many seconds (recorded as skipped); 0 = no limit")
     p.add_argument("--compile-sweep", action="store_true",
                    help="torch.compile every sweep shape too (default: target shapes only; compiling is slow)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="time every call eagerly (host overhead included) instead of as CUDA-graph replays")
     p.add_argument("--no-plots", action="store_true", help="skip bench.png")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", dest="overrides",
                    help="override a launch tunable for this run, e.g. "
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if applied:
         (out / "overrides.txt").write_text("\n".join(applied) + "\n")
         print("tunables overridden for this run: " + ", ".join(applied), flush=True)
-    timing = harness.TimingConfig(warmup_ms=args.warmup, rep_ms=args.rep)
+    timing = harness.TimingConfig(warmup_ms=args.warmup, rep_ms=args.rep, cuda_graph=not args.no_cuda_graph)
     cfg = harness.RunConfig(
         device=device, dtype=getattr(torch, DTYPES[args.dtype]), modes=args.modes, providers=args.providers,
         quick=args.quick, tiny=tiny, compile_sweep=args.compile_sweep, max_seconds=args.max_seconds, timing=timing,

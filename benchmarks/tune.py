@@ -55,23 +55,26 @@ def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.devi
     call(setup() if setup else None)  # compile / warm up
     torch.cuda.synchronize(device)
     peak = peak_extra_mib(call, setup, device)
-    ms = time_ms(call, setup, device, cfg)
+    ms = time_ms(call, setup, device, cfg).median_ms
     del inputs, fn, call, setup, restore
     torch.cuda.empty_cache()
     return ms, peak
 
 
-def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]], spec, shape: dict[str, int],
+def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[str, Any]], spec, shape: dict[str, int],
            dtype: torch.dtype, device: torch.device, cfg: TimingConfig,
            writer: csv.DictWriter, deadline: float) -> dict[str, Any] | None:
     """Time every combination of ``grid``; returns the fastest setting (None if none ran)."""
-    keys = list(grid)
+    if isinstance(grid, dict):
+        keys = list(grid)
+        settings = [dict(zip(keys, values)) for values in itertools.product(*(list(grid[k]) for k in keys))]
+    else:
+        settings = list(grid)  # explicit settings
     best: tuple[float, dict[str, Any]] | None = None
-    for values in itertools.product(*(list(grid[k]) for k in keys)):
+    for setting in settings:
         if time.perf_counter() > deadline:
             print(f"{name}: time limit reached, rest skipped", flush=True)
             break
-        setting = dict(zip(keys, values))
         old = _set(module, setting)
         try:
             ms, peak = _measure(spec, shape, dtype, device, cfg)
@@ -94,7 +97,7 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]], spec, shape: 
 def _time_component(fn: Callable[[], Any], device: torch.device, cfg: TimingConfig) -> float:
     fn()
     torch.cuda.synchronize(device)
-    return time_ms(lambda _: fn(), None, device, cfg)
+    return time_ms(lambda _: fn(), None, device, cfg).median_ms
 
 
 def _chunk_parts(rows: int, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -205,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("cross_entropy"):
             spec = specs["cross_entropy"]
-            bests["cross_entropy"] = _sweep("cross_entropy", ce_ops, {
-                "CE_PREFETCH": (True, False),
-                "CE_PROGRAMS_PER_SM": (1, 2, 4),
-                "CE_MAX_BLOCK": (8192, 16384, 32768),
-            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+            # Rows shared by several programs (one read of each row) at three part widths,
+            # against the one-program-per-row two-pass kernel at its best earlier settings.
+            bests["cross_entropy"] = _sweep("cross_entropy", ce_ops, [
+                *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b} for b in (8192, 16384, 32768)),
+                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
+                  for b in (16384, 32768) for p in (2, 4)),
+            ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("rope"):
             spec = specs["rope"]
             bests["rope"] = _sweep("rope", rope_ops, {

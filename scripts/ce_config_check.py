@@ -1,14 +1,15 @@
 """Check the cross-entropy kernel's launch settings for correctness and speed on a GPU.
 
-For each (CE_MAX_BLOCK, CE_PREFETCH, CE_PROGRAMS_PER_SM) setting: per-row loss and the
-gradient against float64 ``F.cross_entropy`` at fp32 and bf16, then the median time of the
-in-place forward (which computes the gradient) at N 8192, V 128256 bf16. A setting whose
-results are wrong must never become a default, however fast it is.
+For each setting (rows shared by programs at CE_SPLIT_BLOCK columns each, or one program per
+row with CE_MAX_BLOCK / CE_PROGRAMS_PER_SM): per-row loss and the gradient against float64
+``F.cross_entropy`` at fp32 and bf16, then the median time of the in-place forward (which
+computes the gradient) at N 8192, V 128256 bf16. A setting whose results are wrong must never
+become a default, however fast it is. Last, the default kernel captured in a CUDA graph and
+replayed must give the eager result.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/ce_config_check.py
 """
 
-import itertools
 import statistics
 
 import torch
@@ -50,16 +51,49 @@ def time_ms(n=8192, v=128256):
     return statistics.median(times)
 
 
+SETTINGS = [
+    *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b} for b in (8192, 16384, 32768)),
+    *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": 4} for b in (16384, 32768)),
+]
+
+
+def graph_replay_matches(n=1024, v=128256):
+    """The default kernel inside a CUDA graph: replay on fresh logits equals an eager call."""
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, v, (n,), device="cuda")
+    static = logits.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        LigerCrossEntropyFunction.apply(static.clone(), target, None, -100, 0.0, 0.0, "none")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows = LigerCrossEntropyFunction.apply(static, target, None, -100, 0.0, 0.0, "none")[0]
+    fresh = torch.randn_like(logits)
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = LigerCrossEntropyFunction.apply(fresh.clone(), target, None, -100, 0.0, 0.0, "none")[0]
+    return torch.equal(rows, eager)
+
+
 def main():
-    for block, prefetch, programs in itertools.product((8192, 16384, 32768), (True, False), (2, 4)):
-        ce_ops.CE_MAX_BLOCK, ce_ops.CE_PREFETCH, ce_ops.CE_PROGRAMS_PER_SM = block, prefetch, programs
+    for setting in SETTINGS:
+        old = {k: getattr(ce_ops, k) for k in setting}
+        for k, v in setting.items():
+            setattr(ce_ops, k, v)
         errors = [worst_errors(4099, 32003, torch.float32), worst_errors(1024, 128256, torch.float32),
                   worst_errors(4099, 32003, torch.bfloat16)]
         ok = errors[0][0] < 1e-3 and errors[1][0] < 1e-3 and errors[2][0] < 1e-2 and all(e[1] < 1e-2 for e in errors)
-        print(f"block {block} prefetch {prefetch} programs/SM {programs}: "
+        split = ce_ops.row_split(128256, 2, torch.device("cuda"))
+        print(f"{setting} (programs per 128256-row: {split}): "
               f"max |loss err| fp32 {errors[0][0]:.2e} / {errors[1][0]:.2e}, bf16 {errors[2][0]:.2e}; "
               f"max |grad err| {max(e[1] for e in errors):.2e} -> {'OK' if ok else 'WRONG'}; "
               f"time {time_ms():.3f} ms", flush=True)
+        for k, v in old.items():
+            setattr(ce_ops, k, v)
+    print(f"CUDA graph replay of the default kernel equals eager: {graph_replay_matches()}", flush=True)
 
 
 if __name__ == "__main__":

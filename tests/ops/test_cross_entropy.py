@@ -24,15 +24,29 @@ SHAPES = shapes(
 )
 
 
-@pytest.fixture(params=["one_block", "many_blocks", "many_blocks_no_prefetch"])
+@pytest.fixture(params=["one_block", "many_blocks", "many_blocks_no_prefetch", "row_split"])
 def column_block(request, monkeypatch):
     """Also run with a tiny column block so small vocabularies take the multi-block loop,
-    with and without the one-block-ahead loads."""
+    with and without the one-block-ahead loads, and (GPU) with rows shared by programs of
+    512 columns each, so every row goes through the statistics exchange."""
     if request.param.startswith("many_blocks"):
         monkeypatch.setattr(ce_ops, "CE_MAX_BLOCK", 256)
+        monkeypatch.setattr(ce_ops, "CE_SPLIT_ROWS", False)
     if request.param.endswith("no_prefetch"):
         monkeypatch.setattr(ce_ops, "CE_PREFETCH", False)
+    if request.param == "row_split":
+        force_row_split(monkeypatch)
     return request.param
+
+
+def force_row_split(monkeypatch, block=512):
+    """Split every row into ``block``-column parts (skips where the device cannot split)."""
+    if DEVICE == "cpu" or not ce_ops.cooperative_launch_supported():
+        pytest.skip("row splitting needs a CUDA device and cooperative launches (its programs wait for each "
+                    "other; the interpreter runs them one at a time)")
+    monkeypatch.setattr(ce_ops, "CE_SPLIT_ROWS", True)
+    monkeypatch.setattr(ce_ops, "CE_SPLIT_MIN_ROW_BYTES", 0)
+    monkeypatch.setattr(ce_ops, "CE_SPLIT_BLOCK", block)
 
 
 def reference_cross_entropy(
@@ -464,3 +478,32 @@ def test_in_place_gradient_is_not_copied_into_leaf_grad():
     logits.requires_grad_()
     liger_cross_entropy(logits, target).backward()
     assert logits.grad.data_ptr() == logits.data_ptr()
+
+
+@pytest.mark.parametrize("n_rows, n_cols, block", [(1000 + 7, 1007, 256), (257, 32003, 4096), (64, 128256, 32768),
+                                                   (3, 262144, 32768)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_split_matches_one_program_per_row(n_rows, n_cols, block, dtype, monkeypatch):
+    """The shared-row kernel (GPU only) matches the reference and the two-pass kernel, every output."""
+    force_row_split(monkeypatch, block)
+    logits, target = make_inputs(n_rows, n_cols, dtype, ignore_index=-100, ignore_fraction=0.2)
+    target[1] = -100
+    weight = torch.rand(n_cols, device=DEVICE) + 0.1
+    assert ce_ops.row_split(n_cols, logits.element_size(), logits.device) > 1
+    run_and_compare(logits, target, weight=weight, label_smoothing=0.1, lse_square_scale=1e-3, softcap=30.0,
+                    reduction="mean")
+    options = dict(weight=weight, label_smoothing=0.1, lse_square_scale=1e-3, reduction="none",
+                   return_z_loss=True, return_token_accuracy=True)
+    results = {}
+    for split_rows in (True, False):
+        monkeypatch.setattr(ce_ops, "CE_SPLIT_ROWS", split_rows)
+        x = logits.clone().requires_grad_()
+        out = liger_cross_entropy(x, target, **options)
+        out.loss.sum().backward()
+        results[split_rows] = (out, x.grad)
+    (split, split_grad), (whole, whole_grad) = results[True], results[False]
+    torch.testing.assert_close(split.loss, whole.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.z_loss, whole.z_loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(split.token_accuracy, whole.token_accuracy)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(split_grad.float(), whole_grad.float(), rtol=tol, atol=1e-7)

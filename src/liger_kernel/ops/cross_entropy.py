@@ -41,6 +41,7 @@ the loss is float32 for every logits dtype; a ``"mean"`` over a batch whose targ
 all ignored is 0 with zero gradients (torch gives NaN); class weights get no gradient.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -48,10 +49,13 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.utils import (
+    cdiv,
     check_float_dtype,
     check_same_device,
     check_tensor,
+    is_interpreter,
     liger_custom_op,
+    multiprocessor_count,
     num_programs_for_rows,
     row_launch_settings,
     scale_gradient,
@@ -69,6 +73,20 @@ CE_PROGRAMS_PER_SM = 4
 
 # Load each column block one iteration ahead (register double-buffering) in both passes.
 CE_PREFETCH = True
+
+# Row splitting (see _cross_entropy_kernel): with one program per row, the row must be read
+# twice (statistics, then gradient), and at 256 KB per 128K-vocab bf16 row the second read
+# misses L2 (hundreds of rows in flight exceed its 50 MB). Rows of at least
+# CE_SPLIT_MIN_ROW_BYTES are instead shared by cdiv(V, CE_SPLIT_BLOCK) programs that each
+# keep their block in registers and exchange per-block statistics: one read of the row.
+CE_SPLIT_ROWS = True
+CE_SPLIT_MIN_ROW_BYTES = 128 * 1024
+CE_SPLIT_BLOCK = 16384
+# Resident programs per SM for the split kernel. One always fits (ptxas sizes registers for it),
+# which the cooperative launch requires of the whole grid. At CE_SPLIT_BLOCK = 16384 (16 warps)
+# ptxas (sm_90) gives the plain-loss kernel 98 registers and no spills; at 32768 (32 warps) it
+# spills 80 bytes per thread.
+CE_SPLIT_PROGRAMS_PER_SM = 1
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -108,6 +126,123 @@ def _tanh_and_sech2(x):
 
 
 @triton.jit
+def _block_statistics(x, cols, mask, start, safe_target, class_weight_ptr, softcap,
+                      BLOCK_SIZE: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr):
+    """Pass-1 statistics of one column block of raw fp32 logits ``x`` (-inf where masked).
+
+    Returns ``(block_max, sum_exp, target_logit, smooth_sum, weight_sum, best_raw, best_index)``:
+    the max of the (capped) logits s, ``sum exp(s - shift)`` with ``shift`` the max (0 while
+    it is -inf), s at the target if it lies in this block (else 0), ``sum w_c s_c`` and
+    ``sum w_c`` (label smoothing), and the first arg-max of the raw logits.
+    """
+    best_raw = float("-inf")
+    best_index = 0
+    if COMPUTE_ACCURACY:
+        best_raw = tl.max(x, axis=0)
+        best_index = tl.min(tl.where(x == best_raw, cols, 2147483647), axis=0)
+    if HAS_SOFTCAP:
+        capped, _ = _tanh_and_sech2(x / softcap)
+        x = tl.where(mask, softcap * capped, float("-inf"))
+    # Only the block that holds the target pays for the one-hot selection.
+    target_logit = 0.0
+    if (safe_target >= start) & (safe_target < start + BLOCK_SIZE):
+        target_logit = tl.sum(tl.where(cols == safe_target, x, 0.0), axis=0)
+    block_max = tl.max(x, axis=0)
+    # exp(-inf - -inf) is NaN: shift an all -inf block by 0 instead.
+    shift = tl.where(block_max == float("-inf"), 0.0, block_max)
+    sum_exp = tl.sum(tl.exp(x - shift), axis=0)
+    smooth_sum = 0.0
+    weight_sum = 0.0
+    if HAS_LABEL_SMOOTHING:
+        if HAS_CLASS_WEIGHT:
+            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            smooth_sum = tl.sum(w * tl.where(mask, x, 0.0), axis=0)
+            weight_sum = tl.sum(w, axis=0)
+        else:
+            smooth_sum = tl.sum(tl.where(mask, x, 0.0), axis=0)
+    return block_max, sum_exp, target_logit, smooth_sum, weight_sum, best_raw, best_index
+
+
+@triton.jit
+def _merge_exp_sums(max_a, sum_a, max_b, sum_b):
+    """Combine two ``(max, sum exp(s - max))`` pairs (each sum relative to its max, or to 0
+    when that max is -inf) into one relative to the larger max."""
+    new_max = tl.maximum(max_a, max_b)
+    return new_max, _rescaled_sum(max_a, sum_a, new_max) + _rescaled_sum(max_b, sum_b, new_max)
+
+
+@triton.jit
+def _rescaled_sum(part_max, part_sum, new_max):
+    """``part_sum`` (relative to ``part_max``) relative to ``new_max >= part_max``; an all -inf
+    part adds 0 (not 0 * exp(0 - new_max), which overflows for a very negative new_max)."""
+    scaled = part_sum * tl.exp(part_max - tl.where(new_max == float("-inf"), 0.0, new_max))
+    return tl.where(part_max == float("-inf"), 0.0, scaled)
+
+
+@triton.jit
+def _row_loss(lse, target_logit, smooth_sum, weight_total, target_weight, n_cols, label_smoothing,
+              lse_square_scale, ce_scale, z_scale, HAS_CLASS_WEIGHT: tl.constexpr,
+              HAS_LABEL_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+    """``(ce_i, z_i)`` of one row, already divided by the mean's denominators (see module docstring)."""
+    if HAS_LABEL_SMOOTHING:
+        if not HAS_CLASS_WEIGHT:
+            weight_total = n_cols * 1.0
+        ce_loss = (1.0 - label_smoothing) * target_weight * (lse - target_logit)
+        ce_loss += (label_smoothing / n_cols) * (lse * weight_total - smooth_sum)
+    else:
+        ce_loss = target_weight * (lse - target_logit)
+    z_loss = 0.0
+    if HAS_Z_LOSS:
+        z_loss = lse_square_scale * lse * lse * z_scale
+    return ce_loss * ce_scale, z_loss
+
+
+@triton.jit
+def _gradient_coefficients(lse, target_weight, weight_total, n_cols, label_smoothing, lse_square_scale,
+                           ce_scale, z_scale, row_scale, HAS_CLASS_WEIGHT: tl.constexpr,
+                           HAS_LABEL_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+    """``(prob_coef, onehot_coef, uniform_coef)`` with dL/ds_c = prob_coef p_c - onehot_coef d_c - uniform_coef w_c."""
+    if HAS_LABEL_SMOOTHING:
+        if not HAS_CLASS_WEIGHT:
+            weight_total = n_cols * 1.0
+        smoothing_per_class = label_smoothing / n_cols
+        onehot_coef = (1.0 - label_smoothing) * target_weight * ce_scale * row_scale
+        prob_coef = onehot_coef + smoothing_per_class * weight_total * ce_scale * row_scale
+        uniform_coef = smoothing_per_class * ce_scale * row_scale
+    else:
+        onehot_coef = target_weight * ce_scale * row_scale
+        prob_coef = onehot_coef
+        uniform_coef = 0.0
+    if HAS_Z_LOSS:
+        prob_coef += 2.0 * lse_square_scale * lse * z_scale * row_scale
+    return prob_coef, onehot_coef, uniform_coef
+
+
+@triton.jit
+def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef, class_weight_ptr, softcap,
+                    HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """dL/dx for one column block of raw fp32 logits ``x``."""
+    if HAS_SOFTCAP:
+        capped, cap_slope = _tanh_and_sech2(x / softcap)
+        x = softcap * capped
+    grad = prob_coef * tl.exp(x - lse)
+    if HAS_LABEL_SMOOTHING:
+        if HAS_CLASS_WEIGHT:
+            grad -= uniform_coef * tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            grad -= uniform_coef
+    grad = tl.where(cols == target, grad - onehot_coef, grad)
+    if HAS_SOFTCAP:
+        grad = grad * cap_slope
+    return grad
+
+
+# Per (row, part) statistics exchanged between the programs that share a row (ROW_SPLIT > 1).
+_STATS = tl.constexpr(8)
+
+
+@triton.jit
 def _cross_entropy_kernel(
     logits_ptr,
     logits_row_stride,
@@ -122,6 +257,8 @@ def _cross_entropy_kernel(
     correct_ptr,
     ce_denominator_ptr,
     z_denominator_ptr,
+    stats_ptr,
+    arrivals_ptr,
     n_rows,
     n_cols,
     ignore_index,
@@ -138,8 +275,19 @@ def _cross_entropy_kernel(
     COMPUTE_ACCURACY: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ROW_SPLIT: tl.constexpr,
+    SPLIT_POW2: tl.constexpr,
 ):
-    """Persistent loop over rows; per row, per-row loss/z-loss/correctness and (optionally) dL/dx."""
+    """Per row: loss, z-loss, correctness and (optionally) dL/dx.
+
+    ``ROW_SPLIT == 1``: persistent programs, one row at a time, two passes over the row
+    (column-block loop). ``ROW_SPLIT > 1``: ``ROW_SPLIT`` programs share each row, one
+    ``BLOCK_SIZE`` block each, held in registers: each publishes its block's statistics to
+    ``stats_ptr``, counts itself in at ``arrivals_ptr[group]`` and waits until the whole
+    group has, then reads all parts' statistics and writes its block's gradient. The row
+    is read from memory once. Needs every program of the grid resident at once (the
+    launcher uses a cooperative launch), so it never runs under the interpreter.
+    """
     offsets = tl.arange(0, BLOCK_SIZE)
     if MEAN_REDUCTION:
         ce_scale = 1.0 / tl.load(ce_denominator_ptr).to(tl.float32)
@@ -147,148 +295,171 @@ def _cross_entropy_kernel(
     else:
         ce_scale = 1.0
         z_scale = 1.0
-    smoothing_per_class = label_smoothing / n_cols
+    if ROW_SPLIT == 1:
+        first_row = tl.program_id(0).to(tl.int64)
+        row_step = tl.num_programs(0)
+        part = 0
+    else:
+        first_row = (tl.program_id(0) // ROW_SPLIT).to(tl.int64)
+        row_step = tl.num_programs(0) // ROW_SPLIT
+        part = tl.program_id(0) % ROW_SPLIT
+    group = first_row
+    part_cols = part * BLOCK_SIZE + offsets
+    part_mask = part_cols < n_cols
+    n_syncs = 0
 
     # int64 row index: row * stride passes 2**31 for large N * V.
-    for row in tl.range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+    for row in tl.range(first_row, n_rows, row_step):
         logits_row = logits_ptr + row * logits_row_stride
         grad_row = grad_ptr + row * grad_row_stride
         target = tl.load(target_ptr + row * target_stride)
         if target == ignore_index:
+            # Every part of a row sees the same target, so all of them skip the exchange.
             if COMPUTE_GRAD:
-                for start in range(0, n_cols, BLOCK_SIZE):
-                    cols = start + offsets
-                    zeros = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
-                    tl.store(grad_row + cols, zeros.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
-            tl.store(loss_ptr + row, 0.0)
-            tl.store(z_loss_ptr + row, 0.0)
-            tl.store(correct_ptr + row, 0.0)
+                zeros = tl.zeros([BLOCK_SIZE], dtype=tl.float32).to(grad_ptr.dtype.element_ty)
+                if ROW_SPLIT == 1:
+                    for start in range(0, n_cols, BLOCK_SIZE):
+                        cols = start + offsets
+                        tl.store(grad_row + cols, zeros, mask=cols < n_cols)
+                else:
+                    tl.store(grad_row + part_cols, zeros, mask=part_mask)
+            if part == 0:
+                tl.store(loss_ptr + row, 0.0)
+                tl.store(z_loss_ptr + row, 0.0)
+                tl.store(correct_ptr + row, 0.0)
         else:
             # A target outside [0, V) is never used as an address: loads go through a clamped
             # index and the one-hot comparison simply never matches. Its loss is NaN so the
             # bad label is visible even where the host-side check is skipped (torch.compile).
             target_valid = (target >= 0) & (target < n_cols)
             safe_target = tl.where(target_valid, target, 0)
-
-            # Pass 1: online log-sum-exp, smoothing sums, first arg-max of the raw logits.
-            running_max = float("-inf")
-            sum_exp = 0.0
-            smooth_sum = 0.0
-            weight_total = 0.0
-            best_raw = float("-inf")
-            best_index = 0
-            target_logit = 0.0
-            if PREFETCH:
-                x_next = tl.load(logits_row + offsets, mask=offsets < n_cols, other=float("-inf"))
-            for start in range(0, n_cols, BLOCK_SIZE):
-                cols = start + offsets
-                mask = cols < n_cols
+            if ROW_SPLIT == 1:
+                # Pass 1: online log-sum-exp, smoothing sums, first arg-max of the raw logits.
+                # The target's logit comes from the block in registers, never a re-load:
+                # pass 2 overwrites the row in place, and another warp of this program may
+                # already be storing there (no barrier orders a later load before it).
+                running_max = float("-inf")
+                sum_exp = 0.0
+                smooth_sum = 0.0
+                weight_total = 0.0
+                best_raw = float("-inf")
+                best_index = 0
+                target_logit = 0.0
                 if PREFETCH:
-                    # Issue the next block's load before this block's reductions, so the
-                    # loop is not a chain of load latency followed by compute.
-                    x = x_next.to(tl.float32)
-                    ahead = cols + BLOCK_SIZE
-                    x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
-                else:
-                    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                if COMPUTE_ACCURACY:
-                    block_max_raw = tl.max(x, axis=0)
-                    block_index = tl.min(tl.where(x == block_max_raw, cols, n_cols), axis=0)
-                    best_index = tl.where(block_max_raw > best_raw, block_index, best_index)
-                    best_raw = tl.maximum(best_raw, block_max_raw)
-                if HAS_SOFTCAP:
-                    capped, _ = _tanh_and_sech2(x / softcap)
-                    x = tl.where(mask, softcap * capped, float("-inf"))
-                # The target's logit is taken from the block in registers, not re-loaded after
-                # pass 1: pass 2 overwrites the row in place, and another warp of this program
-                # may already be storing there (no barrier orders a later load before it).
-                if (safe_target >= start) & (safe_target < start + BLOCK_SIZE):
-                    target_logit = tl.sum(tl.where(cols == safe_target, x, 0.0), axis=0)
-                new_max = tl.maximum(running_max, tl.max(x, axis=0))
-                # While every value so far is -inf, shift by 0 instead (exp(-inf - -inf) is NaN).
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                sum_exp = sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-                running_max = new_max
-                if HAS_LABEL_SMOOTHING:
-                    if HAS_CLASS_WEIGHT:
-                        w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                        smooth_sum += tl.sum(w * tl.where(mask, x, 0.0), axis=0)
-                        weight_total += tl.sum(w, axis=0)
+                    x_next = tl.load(logits_row + offsets, mask=offsets < n_cols, other=float("-inf"))
+                for start in range(0, n_cols, BLOCK_SIZE):
+                    cols = start + offsets
+                    mask = cols < n_cols
+                    if PREFETCH:
+                        # The next block's load is issued before this block's reductions.
+                        x = x_next.to(tl.float32)
+                        ahead = cols + BLOCK_SIZE
+                        x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
                     else:
-                        smooth_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
-            lse = running_max + tl.log(sum_exp)
+                        x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                    b_max, b_sum, b_target, b_smooth, b_weight, b_best_raw, b_best_index = _block_statistics(
+                        x, cols, mask, start, safe_target, class_weight_ptr, softcap, BLOCK_SIZE,
+                        HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACCURACY)
+                    running_max, sum_exp = _merge_exp_sums(running_max, sum_exp, b_max, b_sum)
+                    target_logit += b_target
+                    smooth_sum += b_smooth
+                    weight_total += b_weight
+                    if COMPUTE_ACCURACY:
+                        best_index = tl.where(b_best_raw > best_raw, b_best_index, best_index)
+                        best_raw = tl.maximum(best_raw, b_best_raw)
+            else:
+                # Kept in the logits dtype across the exchange (half the registers of fp32).
+                x_part = tl.load(logits_row + part_cols, mask=part_mask, other=float("-inf"))
+                p_max, p_sum, p_target, p_smooth, p_weight, p_best_raw, p_best_index = _block_statistics(
+                    x_part.to(tl.float32), part_cols, part_mask, part * BLOCK_SIZE, safe_target, class_weight_ptr, softcap,
+                    BLOCK_SIZE, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACCURACY)
+                # Two slots per group, alternating: a part can only reuse a slot after the
+                # whole group has passed the exchange in between, i.e. has read the slot.
+                slot = stats_ptr + ((group * 2 + n_syncs % 2) * SPLIT_POW2).to(tl.int64) * _STATS
+                mine = slot + part * _STATS
+                tl.store(mine + 0, p_max)
+                tl.store(mine + 1, p_sum)
+                tl.store(mine + 2, p_target)
+                tl.store(mine + 3, p_smooth)
+                tl.store(mine + 4, p_weight)
+                tl.store(mine + 5, p_best_raw)
+                tl.store(mine + 6, p_best_index.to(tl.float32))
+                # Barrier: every thread's stores precede the release below.
+                tl.debug_barrier()
+                n_syncs += 1
+                goal = n_syncs * ROW_SPLIT
+                arrived = tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel") + 1
+                while arrived < goal:
+                    arrived = tl.atomic_add(arrivals_ptr + group, 0, sem="acquire")
+                tl.debug_barrier()
+                parts = tl.arange(0, SPLIT_POW2)
+                in_row = parts < ROW_SPLIT
+                theirs = slot + parts * _STATS
+                maxes = tl.load(theirs + 0, mask=in_row, other=float("-inf"), volatile=True)
+                sums = tl.load(theirs + 1, mask=in_row, other=0.0, volatile=True)
+                running_max = tl.max(maxes, axis=0)
+                sum_exp = tl.sum(_rescaled_sum(maxes, sums, running_max), axis=0)
+                target_logit = tl.sum(tl.load(theirs + 2, mask=in_row, other=0.0, volatile=True), axis=0)
+                smooth_sum = tl.sum(tl.load(theirs + 3, mask=in_row, other=0.0, volatile=True), axis=0)
+                weight_total = tl.sum(tl.load(theirs + 4, mask=in_row, other=0.0, volatile=True), axis=0)
+                best_index = 0
+                if COMPUTE_ACCURACY:
+                    best_raws = tl.load(theirs + 5, mask=in_row, other=float("-inf"), volatile=True)
+                    best_indices = tl.load(theirs + 6, mask=in_row, other=0.0, volatile=True).to(tl.int32)
+                    best_raw = tl.max(best_raws, axis=0)
+                    best_index = tl.min(tl.where(best_raws == best_raw, best_indices, 2147483647), axis=0)
+            shift = tl.where(running_max == float("-inf"), 0.0, running_max)
+            lse = shift + tl.log(sum_exp)
 
             if HAS_CLASS_WEIGHT:
                 target_weight = tl.load(class_weight_ptr + safe_target, mask=target_valid, other=0.0)
                 target_weight = target_weight.to(tl.float32)
             else:
                 target_weight = 1.0
-            if HAS_LABEL_SMOOTHING:
-                if not HAS_CLASS_WEIGHT:
-                    weight_total = n_cols * 1.0
-                ce_loss = (1.0 - label_smoothing) * target_weight * (lse - target_logit)
-                ce_loss += smoothing_per_class * (lse * weight_total - smooth_sum)
-            else:
-                ce_loss = target_weight * (lse - target_logit)
-            ce_loss = ce_loss * ce_scale
-            if HAS_Z_LOSS:
-                z_loss = lse_square_scale * lse * lse * z_scale
-            else:
-                z_loss = 0.0
-            loss = tl.where(target_valid, ce_loss + z_loss, float("nan"))
-            tl.store(loss_ptr + row, loss)
-            tl.store(z_loss_ptr + row, z_loss)
-            if COMPUTE_ACCURACY:
-                tl.store(correct_ptr + row, tl.where(best_index == target, 1.0, 0.0))
-            else:
-                tl.store(correct_ptr + row, 0.0)
+            ce_loss, z_loss = _row_loss(lse, target_logit, smooth_sum, weight_total, target_weight, n_cols,
+                                        label_smoothing, lse_square_scale, ce_scale, z_scale, HAS_CLASS_WEIGHT,
+                                        HAS_LABEL_SMOOTHING, HAS_Z_LOSS)
+            if part == 0:
+                tl.store(loss_ptr + row, tl.where(target_valid, ce_loss + z_loss, float("nan")))
+                tl.store(z_loss_ptr + row, z_loss)
+                if COMPUTE_ACCURACY:
+                    tl.store(correct_ptr + row, tl.where(best_index == target, 1.0, 0.0))
+                else:
+                    tl.store(correct_ptr + row, 0.0)
 
-            # Pass 2: the gradient (the row was just read, so this read mostly hits L2).
             if COMPUTE_GRAD:
+                row_scale = 1.0
                 if HAS_ROW_SCALE:
                     row_scale = tl.load(row_scale_ptr + row).to(tl.float32)
-                else:
-                    row_scale = 1.0
-                if HAS_LABEL_SMOOTHING:
-                    onehot_coef = (1.0 - label_smoothing) * target_weight * ce_scale * row_scale
-                    prob_coef = onehot_coef + smoothing_per_class * weight_total * ce_scale * row_scale
-                    uniform_coef = smoothing_per_class * ce_scale * row_scale
-                else:
-                    onehot_coef = target_weight * ce_scale * row_scale
-                    prob_coef = onehot_coef
-                    uniform_coef = 0.0
-                if HAS_Z_LOSS:
-                    prob_coef += 2.0 * lse_square_scale * lse * z_scale * row_scale
-                # Last block first: the blocks pass 1 read most recently are the likeliest
-                # still to be in L2.
-                n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
-                if PREFETCH:
-                    last = (n_blocks - 1) * BLOCK_SIZE + offsets
-                    x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
-                for block_index in range(0, n_blocks):
-                    cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
-                    mask = cols < n_cols
+                prob_coef, onehot_coef, uniform_coef = _gradient_coefficients(
+                    lse, target_weight, weight_total, n_cols, label_smoothing, lse_square_scale, ce_scale, z_scale,
+                    row_scale, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_Z_LOSS)
+                if ROW_SPLIT == 1:
+                    # Pass 2, last block first: the blocks pass 1 read most recently are the
+                    # likeliest still to be in L2.
+                    n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
                     if PREFETCH:
-                        x = x_next.to(tl.float32)
-                        behind = cols - BLOCK_SIZE
-                        x_next = tl.load(logits_row + behind, mask=(behind >= 0) & (behind < n_cols),
-                                         other=float("-inf"))
-                    else:
-                        x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                    if HAS_SOFTCAP:
-                        capped, cap_slope = _tanh_and_sech2(x / softcap)
-                        x = softcap * capped
-                    grad = prob_coef * tl.exp(x - lse)
-                    if HAS_LABEL_SMOOTHING:
-                        if HAS_CLASS_WEIGHT:
-                            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                            grad -= uniform_coef * w
+                        last = (n_blocks - 1) * BLOCK_SIZE + offsets
+                        x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
+                    for block_index in range(0, n_blocks):
+                        cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
+                        mask = cols < n_cols
+                        if PREFETCH:
+                            x = x_next.to(tl.float32)
+                            behind = cols - BLOCK_SIZE
+                            x_next = tl.load(logits_row + behind, mask=(behind >= 0) & (behind < n_cols),
+                                             other=float("-inf"))
                         else:
-                            grad -= uniform_coef
-                    grad = tl.where(cols == target, grad - onehot_coef, grad)
-                    if HAS_SOFTCAP:
-                        grad = grad * cap_slope
-                    tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+                            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                        grad = _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef,
+                                               class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING,
+                                               HAS_SOFTCAP)
+                        tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+                else:
+                    grad = _block_gradient(x_part.to(tl.float32), part_cols, part_mask, target, lse, prob_coef, onehot_coef,
+                                           uniform_coef, class_weight_ptr, softcap, HAS_CLASS_WEIGHT,
+                                           HAS_LABEL_SMOOTHING, HAS_SOFTCAP)
+                    tl.store(grad_row + part_cols, grad.to(grad_ptr.dtype.element_ty), mask=part_mask)
 
 
 def launch_cross_entropy_kernel(
@@ -321,8 +492,22 @@ def launch_cross_entropy_kernel(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block, num_warps = row_launch_settings(n_cols, CE_MAX_BLOCK)
-    grid = (num_programs_for_rows(n_rows, logits.device, CE_PROGRAMS_PER_SM),)
+    device = logits.device
+    split = row_split(n_cols, logits.element_size(), device)
+    if split > 1:
+        block, num_warps = row_launch_settings(cdiv(n_cols, split), CE_SPLIT_BLOCK)
+        groups = max(1, min(n_rows, multiprocessor_count(device) * CE_SPLIT_PROGRAMS_PER_SM // split))
+        grid = (groups * split,)
+        split_pow2 = triton.next_power_of_2(split)
+        stats = torch.empty(groups * 2 * split_pow2 * _STATS, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(groups, dtype=torch.int32, device=device)
+        extra = {"launch_cooperative_grid": True}
+    else:
+        block, num_warps = row_launch_settings(n_cols, CE_MAX_BLOCK)
+        grid = (num_programs_for_rows(n_rows, device, CE_PROGRAMS_PER_SM),)
+        split_pow2 = 1
+        stats = arrivals = loss_rows  # unused
+        extra = {}
     _cross_entropy_kernel[grid](
         logits,
         logits.stride(0),
@@ -337,6 +522,8 @@ def launch_cross_entropy_kernel(
         correct_rows,
         ce_denominator,
         z_denominator,
+        stats,
+        arrivals,
         n_rows,
         n_cols,
         ignore_index,
@@ -353,8 +540,41 @@ def launch_cross_entropy_kernel(
         COMPUTE_ACCURACY=compute_accuracy,
         BLOCK_SIZE=block,
         PREFETCH=CE_PREFETCH,
+        ROW_SPLIT=split,
+        SPLIT_POW2=split_pow2,
         num_warps=num_warps,
+        **extra,
     )
+
+
+@functools.cache
+def cooperative_launch_supported() -> bool:
+    """Whether this Triton can launch a grid cooperatively (all programs resident, or an error)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def row_split(n_cols: int, element_size: int, device: torch.device) -> int:
+    """How many programs share one row of ``n_cols`` logits (1: one program per row).
+
+    Rows of at least :data:`CE_SPLIT_MIN_ROW_BYTES` are split into blocks of at most
+    :data:`CE_SPLIT_BLOCK` columns, one per program, when the device can run the exchange
+    (a CUDA device, not the interpreter, Triton with cooperative launches) and the whole
+    group fits the grid.
+    """
+    if not CE_SPLIT_ROWS or device.type != "cuda" or is_interpreter() or not cooperative_launch_supported():
+        return 1
+    if n_cols * element_size < CE_SPLIT_MIN_ROW_BYTES:
+        return 1
+    split = cdiv(n_cols, CE_SPLIT_BLOCK)
+    block = triton.next_power_of_2(cdiv(n_cols, split))
+    split = cdiv(n_cols, block)
+    if split > multiprocessor_count(device) * CE_SPLIT_PROGRAMS_PER_SM:
+        return 1
+    return split
 
 
 def mean_denominators(
@@ -491,8 +711,9 @@ def check_target(
 ) -> None:
     """Shape/dtype checks for class-index targets, plus the value range (one host sync).
 
-    The value check is skipped while ``torch.compile`` traces, where it would break the
-    graph; the kernel never addresses memory with a bad target anyway and gives it a NaN loss.
+    The value check is skipped while ``torch.compile`` traces or a CUDA graph is being
+    captured, where a host sync would break the graph; the kernel never addresses memory
+    with a bad target anyway and gives it a NaN loss.
     """
     check_tensor(target, name)
     if target.dtype not in (torch.int64, torch.int32):
@@ -502,6 +723,8 @@ def check_target(
     if target.shape[0] != n_rows:
         raise ValueError(f"{name} has {target.shape[0]} entries but the input has {n_rows} rows")
     if torch.compiler.is_compiling() or n_rows == 0:
+        return
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
     if bool(bad.any()):
