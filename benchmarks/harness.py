@@ -489,12 +489,12 @@ class Row:
     status: str
     median_ms: float
     peak_extra_mib: float
-    eager_ms: float
-    timing: str
     floor_ms: float
     floor_kind: str
     floor_peak_mib: float
     efficiency: float
+    eager_ms: float = NAN  # per-call time with host overhead (see the module docstring)
+    timing: str = ""  # how median_ms was taken: cuda_graph, do_bench, events, wall
     speedup_vs_hf: float = NAN
     target: str = ""
     meets_target: str = ""

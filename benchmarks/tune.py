@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             # against the one-program-per-row two-pass kernel at its best earlier settings.
             bests["cross_entropy"] = _sweep("cross_entropy", ce_ops, [
                 *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b} for b in (8192, 16384, 32768)),
+                *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b, "CE_SPLIT_NUM_WARPS": w, "CE_SPLIT_PROGRAMS_PER_SM": p}
+                  for b, w, p in ((16384, 8, 2), (8192, 8, 2), (8192, 4, 4), (4096, 4, 4))),
                 *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
                   for b in (16384, 32768) for p in (2, 4)),
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)

@@ -52,7 +52,8 @@ def time_ms(n=8192, v=128256):
 
 
 SETTINGS = [
-    *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b} for b in (8192, 16384, 32768)),
+    *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b} for b in (16384, 32768)),
+    {"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": 8192, "CE_SPLIT_NUM_WARPS": 4, "CE_SPLIT_PROGRAMS_PER_SM": 4},
     *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": 4} for b in (16384, 32768)),
 ]
 

@@ -82,11 +82,14 @@ CE_PREFETCH = True
 CE_SPLIT_ROWS = True
 CE_SPLIT_MIN_ROW_BYTES = 128 * 1024
 CE_SPLIT_BLOCK = 16384
-# Resident programs per SM for the split kernel. One always fits (ptxas sizes registers for it),
-# which the cooperative launch requires of the whole grid. At CE_SPLIT_BLOCK = 16384 (16 warps)
-# ptxas (sm_90) gives the plain-loss kernel 98 registers and no spills; at 32768 (32 warps) it
-# spills 80 bytes per thread.
+# At CE_SPLIT_BLOCK = 16384 (16 warps) ptxas (sm_90) gives the plain-loss kernel 128 registers
+# and no spills; at 32768 (32 warps) it spills 216 bytes per thread.
+# Programs per SM for the split kernel (at most: the launcher lowers it to what the compiled
+# kernel's registers and shared memory allow, since a cooperative launch needs the whole grid
+# resident; one always fits, and is used for a configuration's first launch).
 CE_SPLIT_PROGRAMS_PER_SM = 1
+# Warps of each split program (0: from the block width, as everywhere else).
+CE_SPLIT_NUM_WARPS = 0
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -307,12 +310,22 @@ def _cross_entropy_kernel(
     part_cols = part * BLOCK_SIZE + offsets
     part_mask = part_cols < n_cols
     n_syncs = 0
+    if ROW_SPLIT > 1:
+        # This part of the next row is loaded before the current row's exchange, so the
+        # wait for the other parts overlaps the next load.
+        x_next = tl.load(logits_ptr + first_row * logits_row_stride + part_cols,
+                         mask=part_mask & (first_row < n_rows), other=float("-inf"))
 
     # int64 row index: row * stride passes 2**31 for large N * V.
     for row in tl.range(first_row, n_rows, row_step):
         logits_row = logits_ptr + row * logits_row_stride
         grad_row = grad_ptr + row * grad_row_stride
         target = tl.load(target_ptr + row * target_stride)
+        if ROW_SPLIT > 1:
+            x_part = x_next
+            following = row + row_step
+            x_next = tl.load(logits_ptr + following * logits_row_stride + part_cols,
+                             mask=part_mask & (following < n_rows), other=float("-inf"))
         if target == ignore_index:
             # Every part of a row sees the same target, so all of them skip the exchange.
             if COMPUTE_GRAD:
@@ -368,8 +381,7 @@ def _cross_entropy_kernel(
                         best_index = tl.where(b_best_raw > best_raw, b_best_index, best_index)
                         best_raw = tl.maximum(best_raw, b_best_raw)
             else:
-                # Kept in the logits dtype across the exchange (half the registers of fp32).
-                x_part = tl.load(logits_row + part_cols, mask=part_mask, other=float("-inf"))
+                # x_part stays in the logits dtype across the exchange (half the registers of fp32).
                 p_max, p_sum, p_target, p_smooth, p_weight, p_best_raw, p_best_index = _block_statistics(
                     x_part.to(tl.float32), part_cols, part_mask, part * BLOCK_SIZE, safe_target, class_weight_ptr, softcap,
                     BLOCK_SIZE, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACCURACY)
@@ -496,7 +508,13 @@ def launch_cross_entropy_kernel(
     split = row_split(n_cols, logits.element_size(), device)
     if split > 1:
         block, num_warps = row_launch_settings(cdiv(n_cols, split), CE_SPLIT_BLOCK)
-        groups = max(1, min(n_rows, multiprocessor_count(device) * CE_SPLIT_PROGRAMS_PER_SM // split))
+        num_warps = CE_SPLIT_NUM_WARPS or num_warps
+        flags = (class_weight is not None, label_smoothing > 0, lse_square_scale != 0, softcap > 0,
+                 row_scale is not None, mean_reduction, compute_grad, compute_accuracy, logits.dtype, grad.dtype)
+        occupancy_key = (flags, block, split, num_warps, CE_PREFETCH, device.index)
+        # Until this configuration has been compiled once, one program per SM (always resident).
+        per_sm = min(CE_SPLIT_PROGRAMS_PER_SM, _split_programs_per_sm.get(occupancy_key, 1))
+        groups = max(1, min(n_rows, multiprocessor_count(device) * per_sm // split))
         grid = (groups * split,)
         split_pow2 = triton.next_power_of_2(split)
         stats = torch.empty(groups * 2 * split_pow2 * _STATS, dtype=torch.float32, device=device)
@@ -508,7 +526,7 @@ def launch_cross_entropy_kernel(
         split_pow2 = 1
         stats = arrivals = loss_rows  # unused
         extra = {}
-    _cross_entropy_kernel[grid](
+    compiled = _cross_entropy_kernel[grid](
         logits,
         logits.stride(0),
         grad if compute_grad else logits,
@@ -545,6 +563,32 @@ def launch_cross_entropy_kernel(
         num_warps=num_warps,
         **extra,
     )
+    if split > 1 and occupancy_key not in _split_programs_per_sm:
+        _split_programs_per_sm[occupancy_key] = resident_programs_per_sm(compiled, num_warps, device)
+
+
+# Programs per SM the split kernel's cooperative grid may use, per launch configuration,
+# learnt from the compiled kernel's registers and shared memory on its first launch.
+_split_programs_per_sm: dict = {}
+
+
+def resident_programs_per_sm(compiled, num_warps: int, device: torch.device) -> int:
+    """How many programs of ``compiled`` one SM holds at once (at least 1).
+
+    Registers are allocated per warp in units of 256 (8 per thread); an SM has 64K
+    registers, 2048 threads and the device's shared memory per SM.
+    """
+    n_regs = getattr(compiled, "n_regs", None)
+    if not n_regs:
+        return 1
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * num_warps)
+    by_threads = 2048 // (32 * num_warps)
+    shared = getattr(getattr(compiled, "metadata", None), "shared", 0) or 0
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 0
+    by_shared = smem // shared if shared and smem else 32
+    return max(1, min(by_regs, by_threads, by_shared, 32))
 
 
 @functools.cache

@@ -18,8 +18,10 @@ its Hugging Face reference:
   ``torch.promote_types(x.dtype, w.dtype)``, as for HF's ``self.weight * h.to(input_dtype)``.
 * ``"gemma"`` (``GemmaRMSNorm``): ``y = round_x(xhat * (offset + float(w)))``, all in fp32,
   output in x's dtype. Gemma uses ``offset=1.0`` with zero-initialised weights.
-* ``"none"``: computed in the input dtype (every product rounded to it, as torch would);
-  only the mean of squares is accumulated in fp32. Output in x's dtype.
+* ``"none"``: computed in the input dtype, every step rounded to it as torch rounds
+  ``x * rsqrt(x.pow(2).mean(-1) + eps) * w`` in that dtype (the squares, their mean, the sum
+  with eps, the rsqrt, each product); only the sum of squares is accumulated in fp32, as
+  torch's reduction does. Output in x's dtype.
 
 Backward, with g = dy * (w + offset) (in fp32)::
 

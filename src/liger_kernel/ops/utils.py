@@ -307,6 +307,31 @@ def _row_norm_round(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _row_norm_square(x, dtype: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """x**2 for the mean of squares; rounded to the input dtype in CASTING 0, as ``x.pow(2)`` is there."""
+    if CASTING == 0:
+        return _row_norm_round(x * x, dtype, ROUND_BY_HAND)
+    else:
+        return x * x
+
+
+@triton.jit
+def _row_norm_rstd(sum_sq, n_cols, eps, dtype: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """1/sqrt(mean + eps) from the row's sum of squares (accumulated in fp32).
+
+    CASTING 0 rounds as torch does computing ``rsqrt(x.pow(2).mean() + eps)`` in the input
+    dtype: the mean, the sum with eps and the rsqrt each rounded to it. Without that, rstd
+    can differ from torch's by an ulp of the dtype, which shows as up to 3 ulps in y.
+    """
+    mean_sq = _div(sum_sq, n_cols)
+    if CASTING == 0:
+        mean_sq = _row_norm_round(mean_sq, dtype, ROUND_BY_HAND)
+        return _row_norm_round(tl.rsqrt(_row_norm_round(mean_sq + eps, dtype, ROUND_BY_HAND)), dtype, ROUND_BY_HAND)
+    else:
+        return tl.rsqrt(mean_sq + eps)
+
+
+@triton.jit
 def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offset,
                           HAS_BIAS: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """y = xhat * (w + offset) [+ b] for one tile, rounded as CASTING says, stored to Y_ptrs."""
@@ -353,7 +378,8 @@ def row_norm_forward_kernel(
         if CENTER:
             mean = _div(tl.sum(xc, axis=1), n_cols)
             xc = tl.where(mask, xc - mean[:, None], 0.0)
-        rstd = tl.rsqrt(_div(tl.sum(xc * xc, axis=1), n_cols) + eps)
+        rstd = _row_norm_rstd(tl.sum(_row_norm_square(xc, X.dtype.element_ty, CASTING, ROUND_BY_HAND), axis=1),
+                              n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
         _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
                               HAS_BIAS, CASTING, ROUND_BY_HAND)
     else:
@@ -375,12 +401,11 @@ def row_norm_forward_kernel(
                 mean += delta * (block_n / total)
                 m2 += tl.sum(d * d, axis=1) + delta * delta * (seen * block_n / total)
             else:
-                sum_sq += x * x
+                sum_sq += _row_norm_square(x, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
         if CENTER:
-            var = _div(m2, n_cols)
+            rstd = tl.rsqrt(_div(m2, n_cols) + eps)
         else:
-            var = _div(tl.sum(sum_sq, axis=1), n_cols)
-        rstd = tl.rsqrt(var + eps)
+            rstd = _row_norm_rstd(tl.sum(sum_sq, axis=1), n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
         # Pass 2: normalise and store (the row is re-read, mostly from L2).
         for start in range(0, n_cols, BLOCK_COLS):
             cols = start + tl.arange(0, BLOCK_COLS)
