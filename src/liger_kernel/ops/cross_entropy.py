@@ -79,7 +79,11 @@ CE_PREFETCH = True
 # misses L2 (hundreds of rows in flight exceed its 50 MB). Rows of at least
 # CE_SPLIT_MIN_ROW_BYTES are instead shared by cdiv(V, CE_SPLIT_BLOCK) programs that each
 # keep their block in registers and exchange per-block statistics: one read of the row.
-CE_SPLIT_ROWS = True
+# Off by default: measured slower on the H200 (2026-12-03, N 8192, V 128256 bf16, CUDA-graph
+# timing): best split setting 2.19 ms (32768-column parts) against 1.87-1.89 ms for the
+# two-pass kernel. Each group of programs waits for its slowest part once per row, and
+# with one row per group in flight that latency is not hidden. Tested on the GPU either way.
+CE_SPLIT_ROWS = False
 CE_SPLIT_MIN_ROW_BYTES = 128 * 1024
 CE_SPLIT_BLOCK = 16384
 # At CE_SPLIT_BLOCK = 16384 (16 warps) ptxas (sm_90) gives the plain-loss kernel 128 registers
