@@ -505,9 +505,9 @@ def test_row_split_matches_one_program_per_row(n_rows, n_cols, block, dtype, mon
     torch.testing.assert_close(split.loss, whole.loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split.z_loss, whole.z_loss, rtol=1e-5, atol=1e-6)
     assert torch.equal(split.token_accuracy, whole.token_accuracy)
-    # The two kernels sum exp() in different orders, so lse (~10-16 here) differs by about
-    # an fp32 ulp of itself, ~1e-6, which is p = exp(x - lse)'s relative difference in fp32;
-    # in bf16 a value next to a rounding boundary then lands one ulp apart (2**-7 relative
-    # in the worst case of a binade).
-    tol = 1e-6 if dtype == torch.float32 else 2.0**-7
+    # The two kernels sum exp() in different orders, so lse (|lse| < 16 here, fp32 ulp
+    # <= 1.9e-6) differs by an ulp or two, which is p = exp(x - lse)'s relative difference
+    # in fp32 (measured up to 1.46e-6 on the H200); in bf16 a value next to a rounding
+    # boundary then lands one ulp apart (2**-7 relative in the worst case of a binade).
+    tol = 4e-6 if dtype == torch.float32 else 2.0**-7
     torch.testing.assert_close(split_grad.float(), whole_grad.float(), rtol=tol, atol=1e-9)

@@ -68,9 +68,10 @@ from liger_kernel.ops.utils import (
 # ---- Tunables (change after GPU measurements) ----
 # Elements of one half-tile (positions x heads x R/2) a program processes per step; the
 # number of positions per program, BLOCK_T, is derived from it.
-# H200 sweep (benchmarks/tune.py, B4 T4096 Hq32 Hk8 D128 bf16, fwd+bwd): 8192/8 0.48 ms,
-# 16384/8 0.56 ms, the previous 4096/64 0.77 ms.
-ROPE_TILE_ELEMENTS = 8192
+# H200 sweep (benchmarks/tune.py, B4 T4096 Hq32 Hk8 D128 bf16, fwd+bwd), CUDA-graph timing
+# (2026-12-03, run 2): 2048/8 0.197 ms, 16384/8 0.203, 4096/8 0.206. (Run 1's per-call
+# timings, 0.48-0.77 ms, were host-bound and did not rank the settings.)
+ROPE_TILE_ELEMENTS = 2048
 ROPE_MAX_BLOCK_HEADS = 8
 
 
