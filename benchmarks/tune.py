@@ -208,14 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("cross_entropy"):
             spec = specs["cross_entropy"]
-            # Rows shared by several programs (one read of each row) at three part widths,
-            # against the one-program-per-row two-pass kernel at its best earlier settings.
+            # The two-pass kernel with and without L2 eviction hints (pass 1 keeps the row in
+            # L2 for pass 2), at one or two programs per SM, against the row-split path's best.
             bests["cross_entropy"] = _sweep("cross_entropy", ce_ops, [
-                *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b} for b in (8192, 16384, 32768)),
-                *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b, "CE_SPLIT_NUM_WARPS": w, "CE_SPLIT_PROGRAMS_PER_SM": p}
-                  for b, w, p in ((16384, 8, 2), (8192, 8, 2), (8192, 4, 4), (4096, 4, 4))),
-                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
-                  for b in (16384, 32768) for p in (2, 4)),
+                {"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": 32768},
+                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p, "CE_L2_HINTS": h}
+                  for h in (False, True) for b in (16384, 32768) for p in (1, 2)),
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("rope"):
             spec = specs["rope"]

@@ -246,3 +246,137 @@ def test_torch_compile_fullgraph_matches_eager():
     compiled = gated_run(torch.compile(fn, fullgraph=True), a, b, dh)
     for x, y in zip(compiled, eager):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+# ---- LigerGatedDownProjFunction: activation and down projection without saving h ----
+
+from liger_kernel.ops import geglu as _geglu_ops  # noqa: E402  (registers GELU_TANH)
+from liger_kernel.ops.swiglu import GELU_TANH, SILU, LigerGatedDownProjFunction  # noqa: E402
+
+_ACTIVATIONS = {SILU: F.silu, GELU_TANH: lambda x: F.gelu(x, approximate="tanh")}
+_GATED_FUNCTIONS = {SILU: LigerSiLUMulFunction, GELU_TANH: _geglu_ops.LigerGELUMulFunction}
+
+
+def _down_proj_leaves(lead, inter, out, dtype, bias):
+    torch.manual_seed(len(lead) * 1000 + inter)
+    a = (torch.randn(*lead, inter, device=DEVICE) * 2).to(dtype)
+    b = torch.randn(*lead, inter, device=DEVICE).to(dtype)
+    w = (torch.randn(out, inter, device=DEVICE) / inter**0.5).to(dtype)
+    bb = torch.randn(out, device=DEVICE).to(dtype) if bias else None
+    dy = torch.randn(*lead, out, device=DEVICE).to(dtype)
+    return a, b, w, bb, dy
+
+
+def _run_down_proj(fn, a, b, w, bb, dy):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (a, b, w, bb)]
+    # a and b as non-leaf temporaries (as in an MLP), so the in-place path can engage.
+    a_in, b_in = leaves[0] * 1, leaves[1] * 1
+    y = fn(a_in, b_in, leaves[2], leaves[3])
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves if t is not None]
+
+
+@pytest.mark.parametrize("activation", [SILU, GELU_TANH])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead,inter,out", shapes(small=[((3,), 37, 5), ((2, 7), 123, 17)],
+                                                 full=[((3,), 37, 5), ((2, 1007), 4231, 123)]))
+def test_gated_down_proj_matches_unfused(activation, in_place, bias, lead, inter, out):
+    """Same y and gradients as the gating Function followed by F.linear (which saves h):
+    h is recomputed with the forward's own rounding, and the matmuls are the ones autograd
+    runs. fp32, compared to float64 too."""
+    a, b, w, bb, dy = _down_proj_leaves(lead, inter, out, torch.float32, bias)
+    gated = _GATED_FUNCTIONS[activation]
+    fused = _run_down_proj(lambda a, b, w, bb: LigerGatedDownProjFunction.apply(a, b, w, bb, activation, in_place),
+                           a, b, w, bb, dy)
+    unfused = _run_down_proj(lambda a, b, w, bb: F.linear(gated.apply(a, b, in_place), w, bb), a, b, w, bb, dy)
+    exact = _run_down_proj(lambda a, b, w, bb: F.linear(_ACTIVATIONS[activation](a) * b, w, bb),
+                           *(t.double() if t is not None else None for t in (a, b, w, bb, dy)))
+    for name, x, y, z in zip(("y", "da", "db", "dw", "dbias"), fused, unfused, exact):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=name)
+        assert_close(x, z.float(), dtype=torch.float32, msg=name)
+
+
+@pytest.mark.parametrize("activation", [SILU, GELU_TANH])
+def test_gated_down_proj_bf16_matches_unfused_exactly(activation):
+    """bf16: the recomputed h is bitwise the forward's, so dW equals the unfused path's dW."""
+    a, b, w, bb, dy = _down_proj_leaves((4, 33), 300, 64, torch.bfloat16, bias=True)
+    gated = _GATED_FUNCTIONS[activation]
+    fused = _run_down_proj(lambda a, b, w, bb: LigerGatedDownProjFunction.apply(a, b, w, bb, activation, True),
+                           a, b, w, bb, dy)
+    unfused = _run_down_proj(lambda a, b, w, bb: F.linear(gated.apply(a, b, True), w, bb), a, b, w, bb, dy)
+    for name, x, y in zip(("y", "da", "db", "dw", "dbias"), fused, unfused):
+        assert x.dtype == torch.bfloat16, name
+        assert torch.equal(x, y), f"{name}: max diff {(x.float() - y.float()).abs().max()}"
+
+
+def test_backward_recompute_writes_the_forward_h():
+    a, b, _ = make_inputs((37, 300), torch.bfloat16)
+    from liger_kernel.ops.swiglu import SWIGLU_OPS
+
+    h = SWIGLU_OPS.forward(a, b)
+    dh = torch.randn_like(h)
+    da, db = SWIGLU_OPS.backward(dh, a, b)
+    da2, db2 = SWIGLU_OPS.backward_recompute(dh, a, b)
+    assert torch.equal(dh, h)
+    assert torch.equal(da, da2) and torch.equal(db, db2)
+
+
+def test_gated_down_proj_saves_only_a_b_and_the_weight():
+    """The point of the Function: h (N, I) is not among the saved tensors."""
+    a, b, w, _, _ = _down_proj_leaves((64,), 256, 32, torch.float32, bias=False)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    def unfused(a, b, w):
+        return F.linear(LigerSiLUMulFunction.apply(a, b), w)
+
+    def fused(a, b, w):
+        return LigerGatedDownProjFunction.apply(a, b, w, None, SILU, False)
+
+    sizes = {}
+    for name, fn in (("unfused", unfused), ("fused", fused)):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(a * 1, b.clone().requires_grad_(True), w.clone().requires_grad_(True))
+        sizes[name] = sum(saved)
+    assert sizes["unfused"] - sizes["fused"] == a.numel()
+
+
+def test_gated_down_proj_frozen_weight_and_autocast():
+    a, b, w, bb, dy = _down_proj_leaves((5,), 40, 7, torch.float32, bias=True)
+    a1 = a.clone().requires_grad_(True)
+    w1 = w.clone()  # frozen: no weight gradient is computed
+    y = LigerGatedDownProjFunction.apply(a1 * 1, b, w1, None, SILU, True)
+    y.backward(dy)
+    torch.testing.assert_close(a1.grad, _run_down_proj(
+        lambda a, b, w, bb: F.linear(LigerSiLUMulFunction.apply(a, b), w), a, b, w, None, dy)[1])
+    # Autocast (fp32 weights, low-precision compute) follows F.linear's casting both ways.
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    results = []
+    for fn in (lambda a, b, w, bb: LigerGatedDownProjFunction.apply(a, b, w, bb, SILU, False),
+               lambda a, b, w, bb: F.linear(LigerSiLUMulFunction.apply(a, b), w, bb)):
+        wl, bl = w.clone().requires_grad_(True), bb.clone().requires_grad_(True)
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            y = fn(a16, b16, wl, bl)
+        y.float().backward(dy)
+        results.append((y, wl.grad, bl.grad))
+    for name, x, ref in zip(("y", "dw", "dbias"), *results):
+        assert x.dtype == ref.dtype, name
+        torch.testing.assert_close(x, ref, rtol=0, atol=0, msg=name)
+
+
+def test_gated_down_proj_bad_arguments():
+    a, b, w, _, _ = _down_proj_leaves((3,), 8, 4, torch.float32, bias=False)
+    with pytest.raises(ValueError, match="weight"):
+        LigerGatedDownProjFunction.apply(a, b, w.t(), None, SILU, False)
+    with pytest.raises(ValueError, match="bias"):
+        LigerGatedDownProjFunction.apply(a, b, w, torch.zeros(5, device=DEVICE), SILU, False)
+    with pytest.raises(ValueError, match="activation"):
+        LigerGatedDownProjFunction.apply(a, b, w, None, 7, False)
+    with pytest.raises(ValueError, match="shape"):
+        LigerGatedDownProjFunction.apply(a, b[:, :4], w, None, SILU, False)

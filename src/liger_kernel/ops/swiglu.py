@@ -139,11 +139,14 @@ def gated_activation_backward_kernel(
     DH, A, B, DA, DB,
     n_rows, n_cols, dh_row_stride, a_row_stride, b_row_stride, da_row_stride, db_row_stride,
     ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+    STORE_H: tl.constexpr,
 ):
     """One program per tile: da = dh * b * act'(a), db = dh * act(a), act recomputed.
 
     DA may alias A and DB may alias B (in-place backward): each element is loaded before
-    the program that loaded it overwrites it, and tiles are disjoint.
+    the program that loaded it overwrites it, and tiles are disjoint. With STORE_H the
+    recomputed h = act(a) * b (rounded exactly as the forward kernel rounds it) is also
+    written over DH, for the down projection's weight gradient.
     """
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     dh = tl.load(DH + rows * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -154,6 +157,9 @@ def gated_activation_backward_kernel(
              _round_for_store(dh * b * act_grad, DA.dtype.element_ty, ROUND_BY_HAND), mask=mask)
     tl.store(DB + rows * db_row_stride + cols,
              _round_for_store(dh * act, DB.dtype.element_ty, ROUND_BY_HAND), mask=mask)
+    if STORE_H:
+        tl.store(DH + rows * dh_row_stride + cols, _round_for_store(act * b, DH.dtype.element_ty, ROUND_BY_HAND),
+                 mask=mask)
 
 
 def _launch_geometry(n_rows: int, n_cols: int) -> Tuple[int, int, int, int]:
@@ -241,11 +247,14 @@ def gated_activation_forward(a: torch.Tensor, b: torch.Tensor, activation: int) 
 
 def gated_activation_backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: int,
                               da_rows: torch.Tensor | None = None,
-                              db_rows: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                              db_rows: torch.Tensor | None = None,
+                              store_h: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel; returns ``(da, db)`` as (N, I) row views.
 
     ``da_rows``/``db_rows`` are the (N, I) destinations (e.g. a's and b's own rows for the
-    in-place backward); fresh contiguous tensors are allocated where they are None.
+    in-place backward); fresh contiguous tensors are allocated where they are None. With
+    ``store_h``, ``grad_h`` is overwritten by the recomputed ``h = act(a) * b`` (it must be a
+    flattenable view, so that the kernel writes into its storage).
     """
     a_rows, b_rows = _rows(a), _rows(b)
     n_rows, n_cols = a_rows.shape
@@ -261,7 +270,7 @@ def gated_activation_backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Te
             n_rows, n_cols, dh_rows.stride(0), a_rows.stride(0), b_rows.stride(0),
             da_rows.stride(0), db_rows.stride(0),
             ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-            ROUND_BY_HAND=is_interpreter(), num_warps=num_warps,
+            ROUND_BY_HAND=is_interpreter(), STORE_H=store_h, num_warps=num_warps,
         )
     return da_rows, db_rows
 
@@ -301,7 +310,27 @@ def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
     def _backward_inplace_fake(grad_h, a, b):
         return None
 
+    @liger_custom_op(f"{name}_backward_recompute", mutates_args=("grad_h",))
+    def backward_recompute(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(da, db)`` as ``backward``, and ``h = act(a) * b`` written over ``grad_h`` (contiguous)."""
+        da_rows, db_rows = gated_activation_backward(grad_h, a, b, activation, store_h=True)
+        return da_rows.view(a.shape), db_rows.view(b.shape)
+
+    @backward_recompute.register_fake
+    def _backward_recompute_fake(grad_h, a, b):
+        return _backward_fake(grad_h, a, b)
+
+    @liger_custom_op(f"{name}_backward_recompute_inplace", mutates_args=("grad_h", "a", "b"))
+    def backward_recompute_inplace(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """da over a, db over b and h over ``grad_h`` (contiguous); the caller has checked a/b."""
+        gated_activation_backward(grad_h, a, b, activation, da_rows=_rows(a), db_rows=_rows(b), store_h=True)
+
+    @backward_recompute_inplace.register_fake
+    def _backward_recompute_inplace_fake(grad_h, a, b):
+        return None
+
     return SimpleNamespace(forward=forward, backward=backward, backward_inplace=backward_inplace,
+                           backward_recompute=backward_recompute, backward_recompute_inplace=backward_recompute_inplace,
                            activation=activation)
 
 
@@ -344,6 +373,9 @@ def gated_function_backward(ctx, ops: SimpleNamespace, grad_h: torch.Tensor):
 
 SWIGLU_OPS = make_gated_ops("swiglu", SILU)
 
+# The registered ops per ACTIVATION value (GeGLU's are added by liger_kernel.ops.geglu).
+GATED_OPS = {SILU: SWIGLU_OPS}
+
 
 class LigerSiLUMulFunction(torch.autograd.Function):
     """``h = silu(a) * b`` (SwiGLU's gating); see the module docstring for math and in-place.
@@ -361,3 +393,76 @@ class LigerSiLUMulFunction(torch.autograd.Function):
     def backward(ctx, grad_h: torch.Tensor):
         da, db = gated_function_backward(ctx, SWIGLU_OPS, grad_h)
         return da, db, None
+
+
+def _linear_weight_for(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Under autocast the forward's F.linear multiplied by a copy of the weight in the compute
+    # dtype; the backward does the same, as autograd's recorded cast would.
+    return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+class LigerGatedDownProjFunction(torch.autograd.Function):
+    """``y = (act(a) * b) @ W^T + bias``: a gated MLP's activation and down projection,
+    without saving the activation ``h = act(a) * b``.
+
+    ``apply(a, b, weight, bias, activation, in_place)``: ``a``, ``b`` (..., I) as for
+    :class:`LigerSiLUMulFunction`, ``weight`` (H, I), ``bias`` (H,) or None, ``activation``
+    one of ``SILU`` / ``GELU_TANH`` (the latter after importing :mod:`liger_kernel.ops.geglu`).
+    Returns y (..., H), as ``F.linear(h, weight, bias)`` (autocast applies as it does there).
+
+    An MLP built from ``act_mul`` and an ``nn.Linear`` saves ``a``, ``b`` *and* ``h`` (the
+    linear's input), three (N, I) tensors per layer. This Function saves only ``a`` and
+    ``b``; the backward gets ``h`` back from the gradient kernel, which already computes
+    ``act(a)``, for one extra (N, I) write::
+
+        dh    = dy @ W                                (N, I), then overwritten by h
+        da, db, h = gated_backward(dh, a, b)          one kernel: da = dh b act'(a),
+                                                      db = dh act(a), h = act(a) b
+        dW    = dy^T @ h,   dbias = sum_rows(dy)
+
+    ``h`` is recomputed by the same code and rounding as the forward, so the results equal
+    the unfused MLP's. ``in_place`` writes da/db over a/b where safe (module docstring).
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                activation: int = SILU, in_place: bool = False) -> torch.Tensor:
+        check_gated_args(a, b)
+        check_tensor(weight, "weight")
+        if weight.dim() != 2 or weight.shape[1] != a.shape[-1]:
+            raise ValueError(f"weight must be (out_features, {a.shape[-1]}) for a of shape {tuple(a.shape)}, "
+                             f"got {tuple(weight.shape)}")
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
+            raise ValueError(f"bias must be a tensor of shape ({weight.shape[0]},)")
+        if activation not in GATED_OPS:
+            raise ValueError(f"unknown activation {activation!r}; import liger_kernel.ops.geglu for GELU_TANH")
+        check_same_device([("a", a), ("weight", weight), ("bias", bias)])
+        ops = GATED_OPS[activation]
+        ctx.activation = activation
+        ctx.in_place = in_place and not torch.compiler.is_compiling() and _in_place_is_safe(a, b)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(a, b, weight, bias)
+        h = ops.forward(a, b)
+        return torch.nn.functional.linear(h, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        a, b, weight, bias = ctx.saved_tensors
+        ops = GATED_OPS[ctx.activation]
+        n_out = weight.shape[0]
+        dy = grad_y.reshape(-1, n_out)
+        # dh is a fresh contiguous (N, I) product: the kernel may overwrite it with h.
+        dh = dy @ _linear_weight_for(weight, dy.dtype)
+        if ctx.in_place and not torch.compiler.is_compiling():
+            ops.backward_recompute_inplace(dh, a, b)
+            torch.autograd.graph.increment_version(a)
+            torch.autograd.graph.increment_version(b)
+            da, db = a.detach(), b.detach()
+        else:
+            da, db = ops.backward_recompute(dh, a, b)
+        h = dh
+        grad_weight = (dy.t() @ h).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = dy.sum(0).to(bias.dtype)  # as autograd's linear: summed in dy's dtype
+        return da, db, grad_weight, grad_bias, None, None

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from liger_kernel.ops.geglu import LigerGELUMulFunction
+from liger_kernel.ops.swiglu import GELU_TANH
 from liger_kernel.transformers.families import GELU_TANH_ACTIVATIONS
+from liger_kernel.transformers.swiglu import gated_down_projection
 
 
 def liger_geglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
@@ -69,5 +71,5 @@ class LigerGEGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Attributes are read off ``self`` only, so this forward can be bound onto an HF MLP.
-        gated = LigerGELUMulFunction.apply(self.gate_proj(x), self.up_proj(x), getattr(self, "in_place", True))
-        return self.down_proj(gated)
+        return gated_down_projection(self.down_proj, self.gate_proj(x), self.up_proj(x), GELU_TANH,
+                                     getattr(self, "in_place", True))

@@ -5,7 +5,9 @@ Both compute ``down_proj(silu(gate) * up)`` with the gating in one Triton kernel
 input dtype, where HF rounds ``silu(gate)`` and the product separately (at most about one
 output ulp apart). The backward recomputes silu from the saved gate and up projections and,
 with ``in_place=True`` (the default here), writes their gradients over those two temporaries
-instead of allocating new ones. Needs only torch and triton.
+instead of allocating new ones. With a plain ``nn.Linear`` down projection the gated product
+is not saved for the down projection's backward either (:func:`gated_down_projection`).
+Needs only torch and triton.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+from liger_kernel.ops.swiglu import SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
 from liger_kernel.transformers.families import SILU_ACTIVATIONS
 
 
@@ -26,6 +28,37 @@ def liger_swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> to
     pass it when nothing else uses them afterwards (see :mod:`liger_kernel.ops.swiglu`).
     """
     return LigerSiLUMulFunction.apply(a, b, in_place)
+
+
+def _fusable_linear(module: nn.Module) -> bool:
+    """Whether ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)``: a plain
+    ``nn.Linear`` with no hooks and ordinary tensor parameters. Anything else (a LoRA or
+    quantised layer, a DTensor weight, a hook that gathers or rewrites the weight) keeps its
+    own forward."""
+    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return False
+    plain = (torch.Tensor, nn.Parameter)
+    return type(module.weight) in plain and (module.bias is None or type(module.bias) in plain)
+
+
+def gated_down_projection(down_proj: nn.Module, a: torch.Tensor, b: torch.Tensor, activation: int,
+                          in_place: bool) -> torch.Tensor:
+    """``down_proj(act(a) * b)`` for a gated MLP (``activation``: ``ops.swiglu.SILU`` or ``GELU_TANH``).
+
+    When ``down_proj`` is a plain ``nn.Linear`` this runs as
+    :class:`liger_kernel.ops.swiglu.LigerGatedDownProjFunction`, which does not keep
+    ``act(a) * b`` for the backward (one (tokens, intermediate) tensor less per layer, the
+    same results); otherwise the gating kernel and ``down_proj``'s own forward.
+    """
+    if _fusable_linear(down_proj):
+        return LigerGatedDownProjFunction.apply(a, b, down_proj.weight, down_proj.bias, activation, in_place)
+    if activation == SILU:
+        return down_proj(LigerSiLUMulFunction.apply(a, b, in_place))
+    from liger_kernel.ops.geglu import LigerGELUMulFunction
+
+    return down_proj(LigerGELUMulFunction.apply(a, b, in_place))
 
 
 def _check_activation(config: Any, accepted: tuple[str, ...], cls_name: str, attr: str = "hidden_act") -> str:
@@ -62,8 +95,8 @@ class LigerSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Attributes are read off ``self`` only, so this forward can be bound onto an HF MLP.
-        gated = LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x), getattr(self, "in_place", True))
-        return self.down_proj(gated)
+        return gated_down_projection(self.down_proj, self.gate_proj(x), self.up_proj(x), SILU,
+                                     getattr(self, "in_place", True))
 
 
 class LigerPhi3SwiGLUMLP(nn.Module):
@@ -88,4 +121,4 @@ class LigerPhi3SwiGLUMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-        return self.down_proj(LigerSiLUMulFunction.apply(gate, up, getattr(self, "in_place", True)))
+        return gated_down_projection(self.down_proj, gate, up, SILU, getattr(self, "in_place", True))
