@@ -284,7 +284,9 @@ def _run_down_proj(fn, a, b, w, bb, dy):
 def test_gated_down_proj_matches_unfused(activation, in_place, bias, lead, inter, out):
     """Same y and gradients as the gating Function followed by F.linear (which saves h):
     h is recomputed with the forward's own rounding, and the matmuls are the ones autograd
-    runs. fp32, compared to float64 too."""
+    runs. fp32, compared to float64 too: da/db (the kernel's) elementwise; y, dW, dbias
+    (fp32 GEMMs and sums over up to 2014 rows, where entries near zero carry the cancellation
+    of the whole reduction) norm-wise."""
     a, b, w, bb, dy = _down_proj_leaves(lead, inter, out, torch.float32, bias)
     gated = _GATED_FUNCTIONS[activation]
     fused = _run_down_proj(lambda a, b, w, bb: LigerGatedDownProjFunction.apply(a, b, w, bb, activation, in_place),
@@ -294,7 +296,10 @@ def test_gated_down_proj_matches_unfused(activation, in_place, bias, lead, inter
                            *(t.double() if t is not None else None for t in (a, b, w, bb, dy)))
     for name, x, y, z in zip(("y", "da", "db", "dw", "dbias"), fused, unfused, exact):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=name)
-        assert_close(x, z.float(), dtype=torch.float32, msg=name)
+        if name in ("da", "db"):
+            assert_close(x, z.float(), dtype=torch.float32, msg=name)
+        else:
+            assert rel_error(x, z) <= 1e-5, f"{name}: norm-wise error {rel_error(x, z):.2e}"
 
 
 @pytest.mark.parametrize("activation", [SILU, GELU_TANH])

@@ -74,11 +74,6 @@ CE_PROGRAMS_PER_SM = 4
 # Load each column block one iteration ahead (register double-buffering) in both passes.
 CE_PREFETCH = True
 
-# L2 eviction hints on the two-pass path: pass 1's loads evict_last (pass 2 re-reads the
-# row), pass 2's loads and the gradient stores evict_first. Only pays if the rows in flight
-# (programs resident x row bytes) fit L2, hence together with few programs per SM.
-CE_L2_HINTS = False
-
 # Row splitting (see _cross_entropy_kernel): with one program per row, the row must be read
 # twice (statistics, then gradient), and at 256 KB per 128K-vocab bf16 row the second read
 # misses L2 (hundreds of rows in flight exceed its 50 MB). Rows of at least
@@ -135,28 +130,6 @@ def _tanh_and_sech2(x):
     t = tl.where(a < 0.25, series, (1.0 - e) / one_plus_e)
     t = tl.where(x < 0.0, -t, t)
     return t, 4.0 * e / (one_plus_e * one_plus_e)
-
-
-@triton.jit
-def _load_logits(ptrs, mask, FIRST_PASS: tl.constexpr, L2_HINTS: tl.constexpr):
-    """One block of logits (-inf where masked). With ``L2_HINTS`` pass 1 asks L2 to keep the
-    lines (``evict_last``: pass 2 reads them again) and pass 2 to drop them first."""
-    if L2_HINTS:
-        if FIRST_PASS:
-            return tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
-        else:
-            return tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-    else:
-        return tl.load(ptrs, mask=mask, other=float("-inf"))
-
-
-@triton.jit
-def _store_gradient(ptrs, grad, mask, L2_HINTS: tl.constexpr):
-    """Gradient stores are never re-read by this kernel: with ``L2_HINTS`` they leave L2 first."""
-    if L2_HINTS:
-        tl.store(ptrs, grad, mask=mask, eviction_policy="evict_first")
-    else:
-        tl.store(ptrs, grad, mask=mask)
 
 
 @triton.jit
@@ -309,7 +282,6 @@ def _cross_entropy_kernel(
     COMPUTE_ACCURACY: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PREFETCH: tl.constexpr,
-    L2_HINTS: tl.constexpr,
     ROW_SPLIT: tl.constexpr,
     SPLIT_POW2: tl.constexpr,
 ):
@@ -391,7 +363,7 @@ def _cross_entropy_kernel(
                 best_index = 0
                 target_logit = 0.0
                 if PREFETCH:
-                    x_next = _load_logits(logits_row + offsets, offsets < n_cols, True, L2_HINTS)
+                    x_next = tl.load(logits_row + offsets, mask=offsets < n_cols, other=float("-inf"))
                 for start in range(0, n_cols, BLOCK_SIZE):
                     cols = start + offsets
                     mask = cols < n_cols
@@ -399,9 +371,9 @@ def _cross_entropy_kernel(
                         # The next block's load is issued before this block's reductions.
                         x = x_next.to(tl.float32)
                         ahead = cols + BLOCK_SIZE
-                        x_next = _load_logits(logits_row + ahead, ahead < n_cols, True, L2_HINTS)
+                        x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
                     else:
-                        x = _load_logits(logits_row + cols, mask, True, L2_HINTS).to(tl.float32)
+                        x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
                     b_max, b_sum, b_target, b_smooth, b_weight, b_best_raw, b_best_index = _block_statistics(
                         x, cols, mask, start, safe_target, class_weight_ptr, softcap, BLOCK_SIZE,
                         HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACCURACY)
@@ -484,21 +456,21 @@ def _cross_entropy_kernel(
                     n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
                     if PREFETCH:
                         last = (n_blocks - 1) * BLOCK_SIZE + offsets
-                        x_next = _load_logits(logits_row + last, last < n_cols, False, L2_HINTS)
+                        x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
                     for block_index in range(0, n_blocks):
                         cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
                         mask = cols < n_cols
                         if PREFETCH:
                             x = x_next.to(tl.float32)
                             behind = cols - BLOCK_SIZE
-                            x_next = _load_logits(logits_row + behind, (behind >= 0) & (behind < n_cols), False,
-                                                  L2_HINTS)
+                            x_next = tl.load(logits_row + behind, mask=(behind >= 0) & (behind < n_cols),
+                                             other=float("-inf"))
                         else:
-                            x = _load_logits(logits_row + cols, mask, False, L2_HINTS).to(tl.float32)
+                            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
                         grad = _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef,
                                                class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING,
                                                HAS_SOFTCAP)
-                        _store_gradient(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask, L2_HINTS)
+                        tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
                 else:
                     grad = _block_gradient(x_part.to(tl.float32), part_cols, part_mask, target, lse, prob_coef, onehot_coef,
                                            uniform_coef, class_weight_ptr, softcap, HAS_CLASS_WEIGHT,
@@ -590,7 +562,6 @@ def launch_cross_entropy_kernel(
         COMPUTE_ACCURACY=compute_accuracy,
         BLOCK_SIZE=block,
         PREFETCH=CE_PREFETCH,
-        L2_HINTS=CE_L2_HINTS,
         ROW_SPLIT=split,
         SPLIT_POW2=split_pow2,
         num_warps=num_warps,
