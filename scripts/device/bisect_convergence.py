@@ -9,12 +9,11 @@ Usage: PYTHONPATH=src:. python scripts/device/bisect_convergence.py gemma2
 import copy
 import sys
 
-import torch
-
-from liger_kernel.transformers import _apply_liger_kernel_to_instance
 from tests.transformers.model_configs import build_model, convergence_config, random_batch
 from tests.transformers.test_convergence import BATCH, SEQ, STEPS, _float64_copy, _loss_and_grads, _train
 from tests.utils import DEVICE
+
+from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
 KERNELS = ("rope", "rms_norm", "mlp", "fused_linear_cross_entropy")
 

@@ -1,7 +1,6 @@
 """Does the *unpatched* HF Mixtral (default CUDA experts, fp32) compile with Inductor, fullgraph?"""
 
 import torch
-
 from tests.transformers.model_configs import build_model, random_batch
 
 for implementation in ("grouped_mm", "batched_mm"):

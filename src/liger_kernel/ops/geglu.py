@@ -22,7 +22,13 @@ activation and the product in the input dtype (two roundings); the kernel rounds
 
 import torch
 
-from liger_kernel.ops.swiglu import GATED_OPS, GELU_TANH, gated_function_backward, gated_function_forward, make_gated_ops
+from liger_kernel.ops.swiglu import (
+    GATED_OPS,
+    GELU_TANH,
+    gated_function_backward,
+    gated_function_forward,
+    make_gated_ops,
+)
 
 GEGLU_OPS = make_gated_ops("geglu", GELU_TANH)
 GATED_OPS[GELU_TANH] = GEGLU_OPS
