@@ -208,13 +208,13 @@ def main(argv: list[str] | None = None) -> int:
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("cross_entropy"):
             spec = specs["cross_entropy"]
-            # The two-pass kernel at one or two programs per SM and two column blocks, keeping
-            # pass 1's last block for pass 2 or re-reading it, against the row-split path's best. (L2 eviction hints on the two passes were tried on
+            # The two-pass kernel at one or two programs per SM and two column blocks, against
+            # the row-split path's best. (L2 eviction hints on the two passes were tried on
             # 2026-12-03: 1.94-1.95 ms against 1.885 ms without; removed.)
             bests["cross_entropy"] = _sweep("cross_entropy", ce_ops, [
                 {"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": 32768},
-                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p, "CE_KEEP_LAST_BLOCK": k}
-                  for k in (True, False) for b in (16384, 32768) for p in (1, 2)),
+                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
+                  for b in (16384, 32768) for p in (1, 2)),
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("rope"):
             spec = specs["rope"]

@@ -24,20 +24,16 @@ SHAPES = shapes(
 )
 
 
-@pytest.fixture(params=["one_block", "many_blocks", "many_blocks_no_prefetch", "many_blocks_reload_last",
-                        "row_split"])
+@pytest.fixture(params=["one_block", "many_blocks", "many_blocks_no_prefetch", "row_split"])
 def column_block(request, monkeypatch):
     """Also run with a tiny column block so small vocabularies take the multi-block loop,
-    with and without the one-block-ahead loads, with pass 2 re-reading (not keeping) pass 1's
-    last block, and (GPU) with rows shared by programs of
+    with and without the one-block-ahead loads, and (GPU) with rows shared by programs of
     512 columns each, so every row goes through the statistics exchange."""
     if request.param.startswith("many_blocks"):
         monkeypatch.setattr(ce_ops, "CE_MAX_BLOCK", 256)
         monkeypatch.setattr(ce_ops, "CE_SPLIT_ROWS", False)
     if request.param.endswith("no_prefetch"):
         monkeypatch.setattr(ce_ops, "CE_PREFETCH", False)
-    if request.param.endswith("reload_last"):
-        monkeypatch.setattr(ce_ops, "CE_KEEP_LAST_BLOCK", False)
     if request.param == "row_split":
         force_row_split(monkeypatch)
     return request.param

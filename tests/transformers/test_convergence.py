@@ -27,13 +27,6 @@ op already rounds at 2**-8 = 3.9e-3 relative and the two paths round at differen
 1e-2 level over 32 steps; we check losses to 5e-2 absolute / 2e-2 relative, log-probs to
 1e-1, and parameters to 2e-2 - still far below the O(1) effect of a semantic error.
 
-Mixture of experts: top-2 routing is discontinuous, so at the GPU sizes HF fp32 and HF
-float64 alone diverge by routing flips within ~10 steps (1e-2 in the loss); the training
-config there routes to all experts (``convergence_config``), and ``test_one_step_matches_float64``
-checks every family, Mixtral with top-2 routing, one step at a time against float64 (no
-trajectory, so no chaos). The float64 yardstick runs HF's eager expert loop (its grouped
-matmul has no float64 kernel).
-
 CPU cost: the Triton interpreter runs every launch program by program; batch 2 x 16 tokens
 keeps one patched step well under a second, so the eight families fit in a few minutes.
 On GPU (``FULL_SHAPES``) the models are wider (hidden 128, 4 layers, vocab 4096).

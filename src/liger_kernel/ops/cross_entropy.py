@@ -74,11 +74,6 @@ CE_PROGRAMS_PER_SM = 4
 # Load each column block one iteration ahead (register double-buffering) in both passes.
 CE_PREFETCH = True
 
-# With CE_PREFETCH: pass 2 (last block first) starts from pass 1's last block, still in
-# registers, instead of reading it again: at V 128256 and 32768-column blocks that is 23% of
-# pass 2's reads, and the pass-1 -> pass-2 switch no longer waits for a load.
-CE_KEEP_LAST_BLOCK = True
-
 # Row splitting (see _cross_entropy_kernel): with one program per row, the row must be read
 # twice (statistics, then gradient), and at 256 KB per 128K-vocab bf16 row the second read
 # misses L2 (hundreds of rows in flight exceed its 50 MB). Rows of at least
@@ -287,7 +282,6 @@ def _cross_entropy_kernel(
     COMPUTE_ACCURACY: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PREFETCH: tl.constexpr,
-    KEEP_LAST_BLOCK: tl.constexpr,
     ROW_SPLIT: tl.constexpr,
     SPLIT_POW2: tl.constexpr,
 ):
@@ -370,14 +364,12 @@ def _cross_entropy_kernel(
                 target_logit = 0.0
                 if PREFETCH:
                     x_next = tl.load(logits_row + offsets, mask=offsets < n_cols, other=float("-inf"))
-                    x_raw = x_next
                 for start in range(0, n_cols, BLOCK_SIZE):
                     cols = start + offsets
                     mask = cols < n_cols
                     if PREFETCH:
                         # The next block's load is issued before this block's reductions.
-                        x_raw = x_next
-                        x = x_raw.to(tl.float32)
+                        x = x_next.to(tl.float32)
                         ahead = cols + BLOCK_SIZE
                         x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
                     else:
@@ -463,14 +455,8 @@ def _cross_entropy_kernel(
                     # likeliest still to be in L2.
                     n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
                     if PREFETCH:
-                        if KEEP_LAST_BLOCK:
-                            # Pass 1's last block is still in registers (unmodified: nothing of
-                            # this row has been written yet): pass 2 starts from it, one block
-                            # read less per row and no load to wait for between the passes.
-                            x_next = x_raw
-                        else:
-                            last = (n_blocks - 1) * BLOCK_SIZE + offsets
-                            x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
+                        last = (n_blocks - 1) * BLOCK_SIZE + offsets
+                        x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
                     for block_index in range(0, n_blocks):
                         cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
                         mask = cols < n_cols
@@ -576,7 +562,6 @@ def launch_cross_entropy_kernel(
         COMPUTE_ACCURACY=compute_accuracy,
         BLOCK_SIZE=block,
         PREFETCH=CE_PREFETCH,
-        KEEP_LAST_BLOCK=CE_KEEP_LAST_BLOCK,
         ROW_SPLIT=split,
         SPLIT_POW2=split_pow2,
         num_warps=num_warps,
