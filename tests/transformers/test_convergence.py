@@ -19,13 +19,24 @@ more tokens through more layers, so the drift budget there is 1e-4; on the H200 
 fp32 losses drifted up to 7e-4 after 32 steps for some families, which HF's own fp32 run
 shows against float64 too. So at those sizes the unpatched model is also trained in float64
 and a result passes if it is within the tolerance of HF's, or no further from the float64
-run than 2x HF-fp32's own distance (plus the tolerance).
+run than 2x HF's own distance (plus the tolerance), HF's distance being the worst of its
+run and of three HF runs from initial weights moved by one ulp: Gemma 2 at these sizes sits
+near a bifurcation where HF itself, one ulp off, ends 3.4e-3 from float64 in the embedding
+while its unperturbed run stays at 9e-5 (H200, 2026-12-03; the patched model, with only the
+RoPE or only the RMSNorm kernel swapped in, lands on that same other branch, 3.4e-3).
 
 bf16 (GPU only: the interpreter has no fast bf16 path): both models run in bf16, where one
 op already rounds at 2**-8 = 3.9e-3 relative and the two paths round at different points
 (HF casts between ops, the kernels keep fp32 inside), so trajectories drift apart at the
 1e-2 level over 32 steps; we check losses to 5e-2 absolute / 2e-2 relative, log-probs to
 1e-1, and parameters to 2e-2 - still far below the O(1) effect of a semantic error.
+
+Mixture of experts: top-2 routing is discontinuous, so at the GPU sizes HF fp32 and HF
+float64 alone diverge by routing flips within ~10 steps (1e-2 in the loss); the training
+config there routes to all experts (``convergence_config``), and ``test_one_step_matches_float64``
+checks every family, Mixtral with top-2 routing, one step at a time against float64 (no
+trajectory, so no chaos). The float64 yardstick runs HF's eager expert loop (its grouped
+matmul has no float64 kernel).
 
 CPU cost: the Triton interpreter runs every launch program by program; batch 2 x 16 tokens
 keeps one patched step well under a second, so the eight families fit in a few minutes.
@@ -77,10 +88,12 @@ def _eval_logprobs(model, batch):
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _assert_close_or_no_worse_than_hf(ours, hf, truth, atol, rtol, label):
+def _assert_close_or_no_worse_than_hf(ours, hf, truth, atol, rtol, label, perturbed=()):
     """``ours`` within (atol, rtol) of HF's result, or no further from the float64 truth than
-    HF itself is (x2, elementwise worst case): training chaos that HF's own rounding shows
-    just as much is not a Liger error, while a semantic error is far from the truth too."""
+    HF itself gets (x2, elementwise worst case), where HF's distance is the worst of its run
+    and of the ``perturbed`` runs (HF from initial weights moved by one ulp): training chaos
+    that HF's own rounding shows just as much is not a Liger error, while a semantic error
+    is far from the truth too."""
     try:
         torch.testing.assert_close(ours, hf, atol=atol, rtol=rtol, msg=lambda m: f"{label}\n{m}")
         return
@@ -88,15 +101,32 @@ def _assert_close_or_no_worse_than_hf(ours, hf, truth, atol, rtol, label):
         if truth is None:
             raise
     ours_err = float((ours.double() - truth).abs().max())
-    hf_err = float((hf.double() - truth).abs().max())
+    hf_err = max(float((run.double() - truth).abs().max()) for run in (hf, *perturbed))
     assert ours_err <= 2 * hf_err + atol, (
-        f"{label}: max error vs float64 truth {ours_err:.3g}, HF {hf.dtype} {hf_err:.3g} (allowed 2x + {atol})")
+        f"{label}: max error vs float64 truth {ours_err:.3g}, HF {hf.dtype} {hf_err:.3g} (worst of {1 + len(perturbed)} "
+        f"runs; allowed 2x + {atol})")
+
+
+def _one_ulp_perturbed(model, seed: int):
+    """A copy of ``model`` with every weight multiplied by 1 +- eps (random signs): the same
+    model up to one rounding of its initial weights."""
+    perturbed = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            signs = torch.randint(0, 2, param.shape, generator=generator).to(param.device, param.dtype) * 2 - 1
+            param.mul_(1 + signs * torch.finfo(param.dtype).eps)
+    return perturbed
+
+
+PERTURBED_RUNS = 3
 
 
 def _check(model_type: str, dtype: torch.dtype):
     config = convergence_config(model_type)
     reference = build_model(model_type, seed=0, config=config, dtype=dtype).to(DEVICE)
     patched = copy.deepcopy(reference)
+    reference_start = copy.deepcopy(reference) if FULL_SHAPES else None
     truth_model = _float64_copy(reference) if FULL_SHAPES else None  # same start, float64
     _apply_liger_kernel_to_instance(patched)
     assert "forward" in vars(patched)
@@ -118,8 +148,17 @@ def _check(model_type: str, dtype: torch.dtype):
             truth = {"losses": _train(truth_model, batches, STEPS).double(), "model": truth_model}
         except RuntimeError as exc:  # an HF kernel without float64 support: strict check only
             print(f"float64 yardstick unavailable for {model_type}: {exc}")
+    # Some configs sit near a bifurcation of the training dynamics: HF from weights moved by
+    # one ulp ends 3e-3 away in some parameters while HF's own run stays at 1e-4 (Gemma 2 at
+    # the GPU sizes, H200 2026-12-03). HF's own drift is therefore measured over a few such
+    # runs, not one.
+    perturbed = []
+    if truth is not None:
+        perturbed = [_one_ulp_perturbed(reference_start, seed) for seed in range(1, PERTURBED_RUNS + 1)]
+    perturbed_losses = [_train(model, batches, STEPS) for model in perturbed]
     atol, rtol = tol["loss"]
-    _assert_close_or_no_worse_than_hf(losses, ref_losses, truth and truth["losses"], atol, rtol, "losses")
+    _assert_close_or_no_worse_than_hf(losses, ref_losses, truth and truth["losses"], atol, rtol, "losses",
+                                      perturbed_losses)
 
     ref_logprobs = _eval_logprobs(reference, eval_batch)
     logprobs = _eval_logprobs(patched, eval_batch)
@@ -127,14 +166,18 @@ def _check(model_type: str, dtype: torch.dtype):
     atol, rtol = tol["logprobs"]
     # Gathered at the reference's top-k tokens: robust to ties swapping ranks.
     truth_top = _eval_logprobs(truth["model"], eval_batch).double().gather(-1, top_index) if truth else None
-    _assert_close_or_no_worse_than_hf(logprobs.gather(-1, top_index), ref_top, truth_top, atol, rtol, "logprobs")
+    perturbed_top = [_eval_logprobs(model, eval_batch).gather(-1, top_index) for model in perturbed]
+    _assert_close_or_no_worse_than_hf(logprobs.gather(-1, top_index), ref_top, truth_top, atol, rtol, "logprobs",
+                                      perturbed_top)
 
     atol, rtol = tol["params"]
     ref_params = dict(reference.named_parameters())
     truth_params = dict(truth["model"].named_parameters()) if truth else {}
+    perturbed_params = [dict(model.named_parameters()) for model in perturbed]
     for name, param in patched.named_parameters():
         _assert_close_or_no_worse_than_hf(param.detach(), ref_params[name].detach(),
-                                          truth_params[name].detach() if truth else None, atol, rtol, name)
+                                          truth_params[name].detach() if truth else None, atol, rtol, name,
+                                          [p[name].detach() for p in perturbed_params])
 
 
 def _float64_copy(model):

@@ -6,6 +6,7 @@ _EXPORTS = {
     "LigerRopeFunction": "rope",
     "LigerSiLUMulFunction": "swiglu",
     "LigerGELUMulFunction": "geglu",
+    "LigerGatedDownProjFunction": "swiglu",
     "LigerCrossEntropyFunction": "cross_entropy",
     "LigerFusedLinearCrossEntropyFunction": "fused_linear_cross_entropy",
 }
