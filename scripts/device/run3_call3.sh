@@ -16,7 +16,7 @@ LIGER_TEST_SHAPES=full timeout -s INT 170 python -m pytest -q -p no:cacheprovide
   tests/ops/test_fused_linear_cross_entropy.py > "$OUT/serial.log" 2>&1
 tail -1 "$OUT/serial.log"; grep -E "^FAILED" "$OUT/serial.log" | cut -c1-160 | head
 t bench
-timeout -s INT $((500 - (SECONDS - start))) python -m benchmarks --quick --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+timeout -s INT $((510 - (SECONDS - start))) python -m benchmarks --quick --max-seconds $((480 - (SECONDS - start))) --out "$OUT/bench" > "$OUT/bench.log" 2>&1
 tail -4 "$OUT/bench.log"
 t sanitizer
 timeout $((585 - (SECONDS - start))) bash scripts/sanitizer_check.sh "$OUT/sanitizer" > /dev/null 2>&1
