@@ -29,11 +29,6 @@ Gradient of row ``i``'s contribution with respect to ``s`` (``d_c = 1`` where ``
 (``D_ce = D_z = 1`` for ``"sum"`` and ``"none"``), and through the cap
 ``dL/dx_c = dL/ds_c * (1 - tanh(x_c / c)**2)``.
 
-At the target the ``p_y - 1`` part is evaluated as ``-(1 - p_y)`` with
-``1 - p_y = sum_{c != y} exp(s_c - m) / sum_c exp(s_c - m)`` (both sums from pass 1), so a
-confident row's tiny target gradient keeps fp32 relative precision (``p_y - 1`` formed in
-fp32 keeps no correct digit once ``p_y`` is within ~1e-7 of 1).
-
 The kernel makes two passes over each row: pass 1 keeps a running max and rescaled sum
 of exponentials (online log-sum-exp), the smoothing sum and the first arg-max; pass 2
 writes the gradient, by default over the logits themselves. The loss's backward only
@@ -143,11 +138,10 @@ def _block_statistics(x, cols, mask, start, safe_target, class_weight_ptr, softc
                       HAS_SOFTCAP: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr):
     """Pass-1 statistics of one column block of raw fp32 logits ``x`` (-inf where masked).
 
-    Returns ``(block_max, sum_exp, others_exp, target_logit, smooth_sum, weight_sum, best_raw,
-    best_index)``: the max of the (capped) logits s, ``sum exp(s - shift)`` with ``shift`` the
-    max (0 while it is -inf), the same sum without the target's term, s at the target if it
-    lies in this block (else 0), ``sum w_c s_c`` and ``sum w_c`` (label smoothing), and the
-    first arg-max of the raw logits.
+    Returns ``(block_max, sum_exp, target_logit, smooth_sum, weight_sum, best_raw, best_index)``:
+    the max of the (capped) logits s, ``sum exp(s - shift)`` with ``shift`` the max (0 while
+    it is -inf), s at the target if it lies in this block (else 0), ``sum w_c s_c`` and
+    ``sum w_c`` (label smoothing), and the first arg-max of the raw logits.
     """
     best_raw = float("-inf")
     best_index = 0
@@ -158,17 +152,13 @@ def _block_statistics(x, cols, mask, start, safe_target, class_weight_ptr, softc
         capped, _ = _tanh_and_sech2(x / softcap)
         x = tl.where(mask, softcap * capped, float("-inf"))
     # Only the block that holds the target pays for the one-hot selection.
+    target_logit = 0.0
+    if (safe_target >= start) & (safe_target < start + BLOCK_SIZE):
+        target_logit = tl.sum(tl.where(cols == safe_target, x, 0.0), axis=0)
     block_max = tl.max(x, axis=0)
     # exp(-inf - -inf) is NaN: shift an all -inf block by 0 instead.
     shift = tl.where(block_max == float("-inf"), 0.0, block_max)
-    e = tl.exp(x - shift)
-    sum_exp = tl.sum(e, axis=0)
-    target_logit = 0.0
-    others_exp = sum_exp
-    if (safe_target >= start) & (safe_target < start + BLOCK_SIZE):
-        is_target = cols == safe_target
-        target_logit = tl.sum(tl.where(is_target, x, 0.0), axis=0)
-        others_exp = tl.sum(tl.where(is_target, 0.0, e), axis=0)
+    sum_exp = tl.sum(tl.exp(x - shift), axis=0)
     smooth_sum = 0.0
     weight_sum = 0.0
     if HAS_LABEL_SMOOTHING:
@@ -178,7 +168,7 @@ def _block_statistics(x, cols, mask, start, safe_target, class_weight_ptr, softc
             weight_sum = tl.sum(w, axis=0)
         else:
             smooth_sum = tl.sum(tl.where(mask, x, 0.0), axis=0)
-    return block_max, sum_exp, others_exp, target_logit, smooth_sum, weight_sum, best_raw, best_index
+    return block_max, sum_exp, target_logit, smooth_sum, weight_sum, best_raw, best_index
 
 
 @triton.jit
@@ -237,28 +227,19 @@ def _gradient_coefficients(lse, target_weight, weight_total, n_cols, label_smoot
 
 
 @triton.jit
-def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef, others_fraction,
-                    class_weight_ptr, softcap,
+def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef, class_weight_ptr, softcap,
                     HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dL/dx for one column block of raw fp32 logits ``x``.
-
-    At the target, ``prob_coef p_y - onehot_coef`` is evaluated as
-    ``(prob_coef - onehot_coef) p_y - onehot_coef (1 - p_y)`` with ``1 - p_y`` =
-    ``others_fraction`` (the other classes' share of the row's exponential sum, from pass 1):
-    ``p_y - 1`` formed in fp32 would lose all digits of a confident row (``p_y = 1 - 3e-7``
-    rounds to within an ulp of 1).
-    """
+    """dL/dx for one column block of raw fp32 logits ``x``."""
     if HAS_SOFTCAP:
         capped, cap_slope = _tanh_and_sech2(x / softcap)
         x = softcap * capped
-    p = tl.exp(x - lse)
-    grad = prob_coef * p
+    grad = prob_coef * tl.exp(x - lse)
     if HAS_LABEL_SMOOTHING:
         if HAS_CLASS_WEIGHT:
             grad -= uniform_coef * tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             grad -= uniform_coef
-    grad = tl.where(cols == target, grad - onehot_coef * p - onehot_coef * others_fraction, grad)
+    grad = tl.where(cols == target, grad - onehot_coef, grad)
     if HAS_SOFTCAP:
         grad = grad * cap_slope
     return grad
@@ -376,7 +357,6 @@ def _cross_entropy_kernel(
                 # already be storing there (no barrier orders a later load before it).
                 running_max = float("-inf")
                 sum_exp = 0.0
-                others_exp = 0.0
                 smooth_sum = 0.0
                 weight_total = 0.0
                 best_raw = float("-inf")
@@ -394,11 +374,9 @@ def _cross_entropy_kernel(
                         x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
                     else:
                         x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                    b_max, b_sum, b_others, b_target, b_smooth, b_weight, b_best_raw, b_best_index = _block_statistics(
+                    b_max, b_sum, b_target, b_smooth, b_weight, b_best_raw, b_best_index = _block_statistics(
                         x, cols, mask, start, safe_target, class_weight_ptr, softcap, BLOCK_SIZE,
                         HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACCURACY)
-                    new_max = tl.maximum(running_max, b_max)
-                    others_exp = _rescaled_sum(running_max, others_exp, new_max) + _rescaled_sum(b_max, b_others, new_max)
                     running_max, sum_exp = _merge_exp_sums(running_max, sum_exp, b_max, b_sum)
                     target_logit += b_target
                     smooth_sum += b_smooth
@@ -408,7 +386,7 @@ def _cross_entropy_kernel(
                         best_raw = tl.maximum(best_raw, b_best_raw)
             else:
                 # x_part stays in the logits dtype across the exchange (half the registers of fp32).
-                p_max, p_sum, p_others, p_target, p_smooth, p_weight, p_best_raw, p_best_index = _block_statistics(
+                p_max, p_sum, p_target, p_smooth, p_weight, p_best_raw, p_best_index = _block_statistics(
                     x_part.to(tl.float32), part_cols, part_mask, part * BLOCK_SIZE, safe_target, class_weight_ptr, softcap,
                     BLOCK_SIZE, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACCURACY)
                 # Two slots per group, alternating: a part can only reuse a slot after the
@@ -422,7 +400,6 @@ def _cross_entropy_kernel(
                 tl.store(mine + 4, p_weight)
                 tl.store(mine + 5, p_best_raw)
                 tl.store(mine + 6, p_best_index.to(tl.float32))
-                tl.store(mine + 7, p_others)
                 # Barrier: every thread's stores precede the release below.
                 tl.debug_barrier()
                 n_syncs += 1
@@ -438,8 +415,6 @@ def _cross_entropy_kernel(
                 sums = tl.load(theirs + 1, mask=in_row, other=0.0, volatile=True)
                 running_max = tl.max(maxes, axis=0)
                 sum_exp = tl.sum(_rescaled_sum(maxes, sums, running_max), axis=0)
-                others_exp = tl.sum(_rescaled_sum(maxes, tl.load(theirs + 7, mask=in_row, other=0.0, volatile=True),
-                                                  running_max), axis=0)
                 target_logit = tl.sum(tl.load(theirs + 2, mask=in_row, other=0.0, volatile=True), axis=0)
                 smooth_sum = tl.sum(tl.load(theirs + 3, mask=in_row, other=0.0, volatile=True), axis=0)
                 weight_total = tl.sum(tl.load(theirs + 4, mask=in_row, other=0.0, volatile=True), axis=0)
@@ -451,8 +426,6 @@ def _cross_entropy_kernel(
                     best_index = tl.min(tl.where(best_raws == best_raw, best_indices, 2147483647), axis=0)
             shift = tl.where(running_max == float("-inf"), 0.0, running_max)
             lse = shift + tl.log(sum_exp)
-            # 1 - p_y without cancellation (see _block_gradient).
-            others_fraction = tl.where(sum_exp > 0.0, others_exp / sum_exp, 0.0)
 
             if HAS_CLASS_WEIGHT:
                 target_weight = tl.load(class_weight_ptr + safe_target, mask=target_valid, other=0.0)
@@ -495,12 +468,12 @@ def _cross_entropy_kernel(
                         else:
                             x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
                         grad = _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef,
-                                               others_fraction, class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING,
+                                               class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING,
                                                HAS_SOFTCAP)
                         tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
                 else:
                     grad = _block_gradient(x_part.to(tl.float32), part_cols, part_mask, target, lse, prob_coef, onehot_coef,
-                                           uniform_coef, others_fraction, class_weight_ptr, softcap, HAS_CLASS_WEIGHT,
+                                           uniform_coef, class_weight_ptr, softcap, HAS_CLASS_WEIGHT,
                                            HAS_LABEL_SMOOTHING, HAS_SOFTCAP)
                     tl.store(grad_row + part_cols, grad.to(grad_ptr.dtype.element_ty), mask=part_mask)
 
