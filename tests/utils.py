@@ -84,3 +84,18 @@ def cpu_interpreter_problem() -> str | None:
 
 
 _INTERPRETER_STATUS: str | None = None
+
+
+def target_onehot_coefficients(target, class_weight, upstream, reduction, ignore_index=-100, label_smoothing=0.0):
+    """``(safe_target, c)``: each row's target (0 where ignored) and the cross entropy's one-hot
+    coefficient ``c_i = |dL/dloss_i| (1 - eps) w_y / D`` (0 for ignored rows; ``D`` the sum of
+    counted target weights for the mean, else 1), float64. The fp32 cancellation allowances
+    of the cross-entropy tests are multiples of it."""
+    counted = target != ignore_index
+    safe = torch.where(counted, target, 0)
+    w_y = class_weight[safe].double() if class_weight is not None else torch.ones_like(target, dtype=torch.float64)
+    w_y = w_y * counted
+    coef = upstream.detach().double().abs().expand(target.shape) * (1.0 - label_smoothing) * w_y
+    if reduction == "mean":
+        coef = coef / (w_y.sum() if counted.any() else 1.0)
+    return safe, coef

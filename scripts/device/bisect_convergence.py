@@ -9,8 +9,8 @@ Usage: PYTHONPATH=src:. python scripts/device/bisect_convergence.py gemma2
 import copy
 import sys
 
-from tests.transformers.model_configs import build_model, convergence_config, random_batch
-from tests.transformers.test_convergence import BATCH, SEQ, STEPS, _float64_copy, _loss_and_grads, _train
+from tests.transformers.model_configs import build_model, convergence_config, loss_and_grads, random_batch
+from tests.transformers.test_convergence import BATCH, SEQ, STEPS, _float64_copy, _train
 from tests.utils import DEVICE
 
 from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -51,9 +51,9 @@ def main(model_type: str) -> None:
     _apply_liger_kernel_to_instance(patched)
     truth_at = _float64_copy(trained_hf)
     for i, batch in enumerate(batches):
-        l64, g64 = _loss_and_grads(truth_at, batch)
-        lh, gh = _loss_and_grads(trained_hf, batch)
-        ll, gl = _loss_and_grads(patched, batch)
+        l64, g64 = loss_and_grads(truth_at, batch)
+        lh, gh = loss_and_grads(trained_hf, batch)
+        ll, gl = loss_and_grads(patched, batch)
         ratios = {n: float((gl[n] - g).norm() / g.norm().clamp_min(1e-30)) /
                   max(float((gh[n] - g).norm() / g.norm().clamp_min(1e-30)), 1e-12) for n, g in g64.items()}
         worst = max(ratios, key=ratios.get)

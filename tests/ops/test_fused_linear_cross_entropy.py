@@ -36,7 +36,7 @@ from liger_kernel.ops.fused_linear_cross_entropy import (
 from liger_kernel.ops.utils import is_interpreter
 from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 from tests.ops.test_cross_entropy import assert_grad_close, assert_loss_close, reference_cross_entropy
-from tests.utils import DEVICE, FULL_SHAPES, shapes, tolerance
+from tests.utils import DEVICE, FULL_SHAPES, shapes, target_onehot_coefficients
 
 SHAPES = shapes(
     small=[(23, 32, 1007), (5, 16, 2), (19, 64, 300)],
@@ -135,13 +135,7 @@ def fp32_cancellation_bound(name, x, weight, target, upstream, class_weight, red
     however small ``G_iy`` itself is. Propagated through the GEMMs that is ``2u c_i |W_y|``
     for dX, ``2u c_i |x_i|`` in dW's row y and ``2u sum c_i`` for dB (a cap's slope is <= 1).
     """
-    counted = target != ignore_index
-    safe = torch.where(counted, target, 0)
-    w_y = class_weight[safe].double() if class_weight is not None else torch.ones_like(target, dtype=torch.float64)
-    w_y = w_y * counted
-    coef = upstream.detach().double().abs().expand(target.shape) * (1.0 - label_smoothing) * w_y
-    if reduction == "mean":
-        coef = coef / (w_y.sum() if counted.any() else 1.0)
+    safe, coef = target_onehot_coefficients(target, class_weight, upstream, reduction, ignore_index, label_smoothing)
     onehot = torch.zeros(target.shape[0], weight.shape[0], dtype=torch.float64, device=target.device)
     onehot[torch.arange(target.shape[0], device=target.device), safe] = coef
     unit = 2.0 * 2.0**-24
@@ -150,14 +144,6 @@ def fp32_cancellation_bound(name, x, weight, target, upstream, class_weight, red
     if name == "weight":
         return unit * onehot.t() @ x.detach().double().abs()
     return unit * onehot.sum(0)
-
-
-def assert_fp32_grad_close(actual, expected, extra, msg, tol_scale=1.0):
-    """``assert_grad_close``'s float32 rule (relative to the largest entry) plus ``extra`` per entry."""
-    tol = tolerance(torch.float32, tol_scale)
-    allowed = tol["atol"] * (float(expected.abs().max()) or 1.0) + tol["rtol"] * expected.abs() + extra
-    excess = ((actual.double() - expected).abs() - allowed).max() if expected.numel() else 0.0
-    assert excess <= 0, f"{msg}: exceeds the float32 tolerance by {float(excess):.3g}"
 
 
 def make_upstream(loss):
@@ -214,9 +200,9 @@ def run_and_compare(
             continue
         assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
         if x.dtype == torch.float32:
-            assert_fp32_grad_close(leaf.grad, ref, fp32_cancellation_bound(name, x, weight, target, upstream,
-                                                                            class_weight, reduction, **options),
-                                   f"grad {name}", grad_tol_scale)
+            assert_grad_close(leaf.grad, ref, torch.float32, f"grad {name}", grad_tol_scale,
+                              fp32_cancellation_bound(name, x, weight, target, upstream, class_weight, reduction,
+                                                      **options))
             continue
         output_roundings = n_chunks if name == "weight" and accum_dtype is None else 1
         if reduction != "none":

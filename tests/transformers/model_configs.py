@@ -119,3 +119,12 @@ def random_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int | None = N
         "attention_mask": attention_mask.to(device),
         "labels": labels.to(device),
     }
+
+
+def loss_and_grads(model, batch: dict):
+    """One training-mode forward/backward from cleared gradients: ``(loss, {name: grad})``, detached copies."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -53,7 +53,13 @@ import torch
 pytest.importorskip("transformers")
 
 from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: E402
-from tests.transformers.model_configs import MODEL_TYPES, build_model, convergence_config, random_batch  # noqa: E402
+from tests.transformers.model_configs import (  # noqa: E402
+    MODEL_TYPES,
+    build_model,
+    convergence_config,
+    loss_and_grads,
+    random_batch,
+)
 from tests.utils import DEVICE, FULL_SHAPES  # noqa: E402
 
 STEPS = 32
@@ -189,15 +195,6 @@ def _float64_copy(model):
     return truth
 
 
-def _loss_and_grads(model, batch):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach().double(), {n: p.grad.detach().double() for n, p in model.named_parameters()
-                                    if p.grad is not None}
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_one_step_matches_float64(model_type):
     """One training step from the same weights, no trajectory: the patched model's loss and
@@ -213,9 +210,9 @@ def test_one_step_matches_float64(model_type):
     _apply_liger_kernel_to_instance(patched)
     truth = _float64_copy(reference)
     batch = random_batch(config.vocab_size, BATCH, SEQ, seed=7, device=DEVICE)
-    loss64, grads64 = _loss_and_grads(truth, batch)
-    ref_loss, ref_grads = _loss_and_grads(reference, batch)
-    loss, grads = _loss_and_grads(patched, batch)
+    loss64, grads64 = loss_and_grads(truth, batch)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    loss, grads = loss_and_grads(patched, batch)
     assert set(grads) == set(grads64)
     assert abs(loss - loss64) <= 2 * abs(ref_loss - loss64) + 1e-6 * abs(loss64), (loss, ref_loss, loss64)
     for name, g64 in grads64.items():

@@ -29,7 +29,14 @@ from liger_kernel.transformers import (  # noqa: E402
 from liger_kernel.transformers.families import FAMILIES  # noqa: E402
 from liger_kernel.transformers.monkey_patch import with_global_overrides  # noqa: E402
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
-from tests.transformers.model_configs import MODEL_TYPES, VOCAB, build_model, random_batch, tiny_config  # noqa: E402
+from tests.transformers.model_configs import (  # noqa: E402
+    MODEL_TYPES,
+    VOCAB,
+    build_model,
+    loss_and_grads,
+    random_batch,
+    tiny_config,
+)
 
 # fp32 forward/backward of a 2-layer model: a few ulps per kernel, accumulated over layers.
 FP32_TOL = {"atol": 2e-5, "rtol": 1e-4}
@@ -43,13 +50,6 @@ def _revert_class_patches():
 
 def _modeling(model_type: str):
     return importlib.import_module(FAMILIES[model_type].modeling_module)
-
-
-def _loss_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    out = model(**batch)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _bound_in_instance(module, name: str = "forward") -> bool:
@@ -110,8 +110,8 @@ def test_class_level_patch_and_revert(model_type):
     for m in (model, reference):
         m.train()
     batch = random_batch(VOCAB, seed=6)
-    ref_loss, ref_grads = _loss_and_grads(reference, batch)
-    loss, grads = _loss_and_grads(copy.deepcopy(model), batch)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    loss, grads = loss_and_grads(copy.deepcopy(model), batch)
     torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
@@ -196,8 +196,8 @@ def test_instance_patching_matches_hf_and_leaves_others_alone(model_type):
     batch = random_batch(VOCAB, seed=5)
     model.train()
     reference.train()
-    ref_loss, ref_grads = _loss_and_grads(reference, batch)
-    loss, grads = _loss_and_grads(model, batch)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
@@ -311,10 +311,10 @@ def test_mixtral_experts_match_hf(experts_implementation):
         return real_apply(*args)
 
     batch = random_batch(VOCAB, seed=4)
-    ref_loss, ref_grads = _loss_and_grads(reference, batch)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
     try:
         swiglu_ops.LigerSiLUMulFunction.apply = counting
-        loss, grads = _loss_and_grads(model, batch)
+        loss, grads = loss_and_grads(model, batch)
     finally:
         swiglu_ops.LigerSiLUMulFunction.apply = real_apply
     assert calls, "the Liger SiLU-mul kernel was not used"
