@@ -46,12 +46,12 @@ def _set(module: Any, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.device,
-             cfg: TimingConfig) -> tuple[float, float]:
-    """(median ms, peak extra MiB) of the Liger op's full step (forward + backward)."""
+             cfg: TimingConfig, mode: str = "full") -> tuple[float, float]:
+    """(median ms, peak extra MiB) of the Liger op's ``mode`` ("full": forward + backward)."""
     inputs = spec.make_inputs(shape, dtype, device)
     fn = spec.liger()
-    restore = restorers(inputs, spec.liger_mutates)["full"]
-    call, setup = mode_callables(fn, inputs, "full", restore)
+    restore = restorers(inputs, spec.liger_mutates)[mode]
+    call, setup = mode_callables(fn, inputs, mode, restore)
     call(setup() if setup else None)  # compile / warm up
     torch.cuda.synchronize(device)
     peak = peak_extra_mib(call, setup, device)
@@ -63,7 +63,7 @@ def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.devi
 
 def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[str, Any]], spec, shape: dict[str, int],
            dtype: torch.dtype, device: torch.device, cfg: TimingConfig,
-           writer: csv.DictWriter, deadline: float) -> dict[str, Any] | None:
+           writer: csv.DictWriter, deadline: float, mode: str = "full") -> dict[str, Any] | None:
     """Time every combination of ``grid``; returns the fastest setting (None if none ran)."""
     if isinstance(grid, dict):
         keys = list(grid)
@@ -77,7 +77,7 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[st
             break
         old = _set(module, setting)
         try:
-            ms, peak = _measure(spec, shape, dtype, device, cfg)
+            ms, peak = _measure(spec, shape, dtype, device, cfg, mode)
             status = "ok"
         except torch.OutOfMemoryError:
             ms, peak, status = float("nan"), float("nan"), "oom"
@@ -86,6 +86,8 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[st
         finally:
             _set(module, old)
         text = " ".join(f"{k}={v}" for k, v in setting.items())
+        if mode != "full":
+            text = f"[{mode}] {text}"
         print(f"{name} {text}: {ms:.4f} ms, peak {peak:.1f} MiB ({status})", flush=True)
         writer.writerow({"op": name, "setting": text, "median_ms": f"{ms:.5f}", "peak_extra_mib": f"{peak:.2f}",
                          "status": status})
@@ -155,8 +157,9 @@ def flce_chunk_breakdown(chunk_rows: Iterable[int], device: torch.device, cfg: T
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--only", default="", help="comma list of cross_entropy,flce,flce_breakdown,rms_norm,"
-                                              "layer_norm,rope (default: all)")
+    p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,flce,"
+                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,rope "
+                                              "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
     p.add_argument("--emit-best", type=Path, default=None,
                    help="write the fastest setting of each swept op (except the fused linear cross entropy, "
@@ -206,6 +209,19 @@ def main(argv: list[str] | None = None) -> int:
                 "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
                 "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (4, 8),
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("norm_forward"):
+            # Forward tiles (one program per tile; rows narrower than the tile are packed).
+            for op in ("rms_norm", "layer_norm"):
+                spec = specs[op]
+                _sweep(op, ops_utils, {"ROW_NORM_TILE_ELEMENTS": (2048, 4096, 8192, 16384)},
+                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+        if want("cross_entropy_grid"):
+            # Fewer rows in flight than one per SM: does pass 2's re-read start hitting L2?
+            spec = specs["cross_entropy"]
+            _sweep("cross_entropy", ce_ops, [
+                {"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
+                for b in (16384, 32768) for p in (0.25, 0.5, 0.75, 1)
+            ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("cross_entropy"):
             spec = specs["cross_entropy"]
             # The two-pass kernel at one or two programs per SM and two column blocks, against

@@ -78,9 +78,10 @@ def row_launch_settings(n_cols: int, max_block: int = MAX_FUSED_BLOCK) -> tuple[
     return block, warps
 
 
-def num_programs_for_rows(n_rows: int, device: torch.device, programs_per_sm: int = 4) -> int:
-    """Grid size for a persistent kernel over ``n_rows`` rows: at most a few programs per SM."""
-    return max(1, min(n_rows, multiprocessor_count(device) * programs_per_sm))
+def num_programs_for_rows(n_rows: int, device: torch.device, programs_per_sm: float = 4) -> int:
+    """Grid size for a persistent kernel over ``n_rows`` rows: at most a few programs per SM
+    (a fraction below 1 leaves SMs idle: fewer rows in flight, for cache experiments)."""
+    return max(1, min(n_rows, int(multiprocessor_count(device) * programs_per_sm)))
 
 
 def cdiv(a: int, b: int) -> int:
