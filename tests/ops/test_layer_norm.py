@@ -34,6 +34,10 @@ def liger(x, w, b, eps):
     return LigerLayerNormFunction.apply(x, w, b, eps)
 
 
+def liger_out_of_place(x, w, b, eps):
+    return LigerLayerNormFunction.apply(x, w, b, eps, False)
+
+
 def run(fn, x, w, b, dy, eps=EPS):
     """(y, dx, dw, db) of ``fn(x, w, b, eps)`` with upstream gradient ``dy`` (db None without bias)."""
     x = x.detach().clone().requires_grad_(True)
@@ -71,9 +75,10 @@ def check_fp32(ours, truth, n_rows, shift_scale=1.0, rstd_max=1.0):
 
 @pytest.mark.parametrize("n_rows,hidden", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_fp32_matches_float64(n_rows, hidden, bias):
+@pytest.mark.parametrize("fn", [liger, liger_out_of_place], ids=["in_place", "out_of_place"])
+def test_fp32_matches_float64(n_rows, hidden, bias, fn):
     x, w, b, dy = make_inputs(n_rows, hidden, torch.float32, bias)
-    ours = run(liger, x, w, b, dy)
+    ours = run(fn, x, w, b, dy)
     truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
     assert ours[0].dtype == torch.float32
     check_fp32(ours, truth, n_rows)
@@ -255,3 +260,29 @@ def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backwar
     ours = run(liger, x, w, b, dy)
     truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
     check_fp32(ours, truth, n_rows)
+
+
+def test_in_place_reuses_grad_output():
+    x, w, b, dy = make_inputs(7, 123, torch.float32)
+    expected = run(liger_out_of_place, x, w, b, dy)
+    for in_place in (True, False):
+        grad = dy.clone()
+        seen = {}
+        xi = x.detach().clone().requires_grad_(True)
+        xi.register_hook(lambda g, seen=seen: seen.setdefault("dx", g))
+        LigerLayerNormFunction.apply(xi, w, b, EPS, in_place).backward(grad)
+        assert (seen["dx"].data_ptr() == grad.data_ptr()) == in_place
+        assert torch.equal(seen["dx"], expected[1])
+    # Not eligible (non-contiguous): a fresh dx, and the incoming gradient is left intact.
+    grad = dy.t().contiguous().t()
+    kept = grad.clone()
+    xi = x.detach().clone().requires_grad_(True)
+    LigerLayerNormFunction.apply(xi, w, b, EPS, True).backward(grad)
+    assert torch.equal(grad, kept)
+    assert torch.equal(xi.grad, expected[1])
+
+
+def test_in_place_must_be_bool():
+    x, w, b, _ = make_inputs(3, 8, torch.float32)
+    with pytest.raises(TypeError, match="in_place"):
+        LigerLayerNormFunction.apply(x, w, b, EPS, 1)

@@ -20,7 +20,8 @@ def forward_backward(module, x, dy):
     x = x.detach().clone().requires_grad_(True)
     module.zero_grad()
     y = module(x)
-    y.backward(dy)
+    # A copy: LigerLayerNorm's default in-place backward writes dX over the incoming gradient.
+    y.backward(dy.clone())
     bias_grad = module.bias.grad.clone() if module.bias is not None else None
     return y.detach(), x.grad, module.weight.grad.clone(), bias_grad
 
@@ -103,3 +104,15 @@ def test_torch_compile_fullgraph():
     assert_close(compiled, eager, scale=10, msg="loss")
     for name, a, e in zip(("dx", "dw", "db"), compiled_grads, eager_grads):
         assert_close(a, e, scale=4, msg=name)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_in_place_option(in_place):
+    ours, ref = paired(torch.float32)
+    ours.in_place = in_place
+    x = torch.randn(5, HIDDEN, device=DEVICE, requires_grad=True)
+    dy = torch.randn(5, HIDDEN, device=DEVICE)
+    kept = dy.clone()
+    ours(x).backward(dy)
+    assert torch.equal(dy, kept) != in_place  # the default reuses dy's storage for dX
+    assert LigerLayerNorm(8).in_place and not LigerLayerNorm(8, in_place=False).in_place

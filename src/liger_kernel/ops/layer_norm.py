@@ -25,6 +25,12 @@ Backward, with g = dy * w::
 dw and db are reduced deterministically in fp32: each of P persistent programs sums its
 own rows into row p of a (P, H) buffer, then the P rows are summed in a fixed order.
 
+``in_place=True`` (the default, as for RMSNorm) lets the backward write dx over dy's
+storage when dy is contiguous with x's dtype, so the backward allocates no N x H buffer
+(only the small (P, H) partials). The caller must not need dy afterwards: when the norm's
+output goes straight into an op whose backward hands the same gradient tensor to another
+input too (e.g. ``LayerNorm(x) + r`` with ``r`` requiring grad), use ``in_place=False``.
+
 The kernels are the row-normalisation kernels shared with RMSNorm
 (``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:
 one pass forward (read X, W, B; write y, mean, rstd), one persistent pass backward (read
@@ -113,21 +119,28 @@ def _layer_norm_forward_fake(x, weight, bias, eps):
     return x.new_empty(x.shape), stats, torch.empty_like(stats)
 
 
-@liger_custom_op("layer_norm_backward")
+@liger_custom_op("layer_norm_backward", mutates_args=("grad_output",))
 def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                         bias: Optional[torch.Tensor], mean: torch.Tensor,  # noqa: UP045
-                        rstd: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        rstd: torch.Tensor, in_place: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernel. Returns ``(grad_x, grad_weight, grad_bias)``.
 
     ``grad_bias`` is like ``bias``, or an empty tensor when there is no bias (only its
-    shape and dtype are read).
+    shape and dtype are read). With ``in_place=True`` (caller guarantees grad_output is
+    contiguous with x's dtype) grad_x is written into ``grad_output`` and the returned
+    grad_x is an empty tensor (a custom op may not return an alias of its input).
     """
     has_bias = bias is not None
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
-    dy_rows = as_rows(grad_output)
-    dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    grad_x = dx_rows.view(x.shape)
+    if in_place:
+        dy_rows = grad_output.view(n_rows, n_cols)
+        dx_rows = dy_rows
+        grad_x = x.new_empty((0,))
+    else:
+        dy_rows = as_rows(grad_output)
+        dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        grad_x = dx_rows.view(x.shape)
     if n_rows == 0 or n_cols == 0:
         grad_bias = torch.zeros_like(bias) if has_bias else weight.new_empty((0,))
         return grad_x, torch.zeros_like(weight), grad_bias
@@ -146,28 +159,38 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
 
 
 @layer_norm_backward.register_fake
-def _layer_norm_backward_fake(grad_output, x, weight, bias, mean, rstd):
+def _layer_norm_backward_fake(grad_output, x, weight, bias, mean, rstd, in_place):
     grad_bias = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
-    return x.new_empty(x.shape), torch.empty_like(weight), grad_bias
+    grad_x = x.new_empty((0,)) if in_place else x.new_empty(x.shape)
+    return grad_x, torch.empty_like(weight), grad_bias
 
 
 class LigerLayerNormFunction(torch.autograd.Function):
     """``y = LayerNorm(X) * W + B`` over the last dim, as ``F.layer_norm``.
 
-    ``apply(X, W, B, eps)`` with X (..., H), W (H,), B (H,) or None; returns y with X's
-    shape and dtype. Gradients flow to X, W and B.
+    ``apply(X, W, B, eps, in_place=True)`` with X (..., H), W (H,), B (H,) or None; returns
+    y with X's shape and dtype. Gradients flow to X, W and B. ``in_place``: see the module
+    docstring (dx written over dy's storage).
     """
 
     @staticmethod
     def forward(ctx, X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None,
-                eps: float = 1e-6) -> torch.Tensor:
+                eps: float = 1e-6, in_place: bool = True) -> torch.Tensor:
         check_layer_norm_args(X, W, B, eps)
+        if not isinstance(in_place, bool):
+            raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
         y, mean, rstd = layer_norm_forward(X, W, B, float(eps))
         ctx.save_for_backward(X, W, B, mean, rstd)
+        ctx.in_place = in_place
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         X, W, B, mean, rstd = ctx.saved_tensors
-        grad_x, grad_w, grad_b = layer_norm_backward(grad_output, X, W, B, mean, rstd)
-        return grad_x, grad_w, (grad_b if B is not None else None), None
+        # As for RMSNorm: never mutate the incoming gradient under torch.compile.
+        write_into_grad = (ctx.in_place and not torch.compiler.is_compiling() and grad_output.is_contiguous()
+                           and grad_output.dtype == X.dtype)
+        grad_x, grad_w, grad_b = layer_norm_backward(grad_output, X, W, B, mean, rstd, write_into_grad)
+        if write_into_grad:
+            grad_x = grad_output
+        return grad_x, grad_w, (grad_b if B is not None else None), None, None

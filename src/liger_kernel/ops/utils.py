@@ -480,8 +480,11 @@ def row_norm_backward_kernel(
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
         w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)  # once per program
-        dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        # Accumulated per tile row and summed over rows once at the end: a tile of several
+        # rows spreads its rows over warps (e.g. 4 x 2048 at 16 warps: 2 x 8 warps), and a
+        # per-tile sum over rows would then cost a cross-warp (shared memory) reduction.
+        dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         # Software prefetch: the loads of this program's next tile are issued before the
         # current tile's reductions and stores, so a persistent program keeps memory busy
         # instead of alternating load latency and compute (the loop carries the raw tiles).
@@ -519,12 +522,12 @@ def row_norm_backward_kernel(
             if ROUND_BY_HAND:
                 dx = _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND)
             tl.store(DX + rows64[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            dw_acc += tl.sum(dy * xhat_w, axis=0)
+            dw_acc += dy * xhat_w
             if HAS_BIAS:
-                db_acc += tl.sum(dy, axis=0)
-        tl.store(DW_PARTIAL + partial_row + cols, dw_acc, mask=col_mask)
+                db_acc += dy
+        tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
         if HAS_BIAS:
-            tl.store(DB_PARTIAL + partial_row + cols, db_acc, mask=col_mask)
+            tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
         for tile in tl.range(pid, n_tiles, n_programs):
             rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)

@@ -13,9 +13,14 @@ from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 from liger_kernel.transformers.rms_norm import norm_eps
 
 
-def liger_layer_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
-    """LayerNorm of ``X`` (..., H) over its last dim: ``(x - mean) / sqrt(var + eps) * W + B``."""
-    return LigerLayerNormFunction.apply(X, W, B, eps)
+def liger_layer_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None, eps: float = 1e-6,
+                     in_place: bool = True) -> torch.Tensor:
+    """LayerNorm of ``X`` (..., H) over its last dim: ``(x - mean) / sqrt(var + eps) * W + B``.
+
+    ``in_place``: the backward writes dX over the incoming gradient's storage (see
+    :mod:`liger_kernel.ops.layer_norm`); pass False if that gradient is needed elsewhere.
+    """
+    return LigerLayerNormFunction.apply(X, W, B, eps, in_place)
 
 
 class LigerLayerNorm(nn.Module):
@@ -25,14 +30,17 @@ class LigerLayerNorm(nn.Module):
         hidden_size: size H of the last dimension.
         eps: added to the variance; stored as ``variance_epsilon`` (alias ``eps``).
         bias: whether to learn a bias (``self.bias`` is None otherwise).
+        in_place: the backward writes dX over the incoming gradient (no N x H buffer);
+            False keeps that gradient intact (see :mod:`liger_kernel.ops.layer_norm`).
 
     ``forward`` reads ``weight``, ``bias`` (default None) and the eps (``variance_epsilon``
     or ``eps``), so it can also be bound onto ``nn.LayerNorm`` instances with affine weights.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, bias: bool = True, *,
+    def __init__(self, hidden_size: int, eps: float = 1e-6, bias: bool = True, *, in_place: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.in_place = in_place
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         if bias:
             self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
@@ -49,7 +57,8 @@ class LigerLayerNorm(nn.Module):
         self.variance_epsilon = value
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return LigerLayerNormFunction.apply(hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self))
+        return LigerLayerNormFunction.apply(hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self),
+                                            getattr(self, "in_place", True))
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={norm_eps(self)}, bias={getattr(self, 'bias', None) is not None}"
