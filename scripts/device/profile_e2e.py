@@ -6,7 +6,9 @@ each variant given (``hf``, ``liger``): a few warm-up steps, then
 * memory by phase: peak and live memory after forward, after backward, after the
   optimizer step (``max_memory_allocated`` reset between phases);
 * one step under ``torch.profiler``: the CUDA kernels sorted by total time (top rows),
-  written to ``OUT/profile_<variant>.txt``.
+  written to ``OUT/profile_<variant>.txt``, and the idle time between kernels on the GPU
+  (the step's span minus kernel time: host overhead and syncs), with the largest gaps
+  and the kernels around them.
 
 Usage: ``python scripts/device/profile_e2e.py --out OUT [--variants hf,liger]``
 """
@@ -47,6 +49,41 @@ def memory_phases(model, optimizer, ids) -> str:
     return "\n".join(lines)
 
 
+def idle_report(prof, top: int = 25) -> str:
+    """GPU idle time between consecutive device activities of the profiled step."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    if not events:
+        return "no device events"
+    events.sort(key=lambda e: e.start_ns())
+    busy_end = events[0].start_ns()
+    gaps = []
+    previous = events[0]
+    for e in events:
+        if e.start_ns() > busy_end:
+            gaps.append((e.start_ns() - busy_end, previous.name(), e.name()))
+        if e.start_ns() + e.duration_ns() > busy_end:
+            busy_end = e.start_ns() + e.duration_ns()
+            previous = e
+    span = busy_end - events[0].start_ns()
+    idle = sum(g for g, _, _ in gaps)
+    lines = [f"span {span / 1e6:.3f} ms, idle {idle / 1e6:.3f} ms ({100 * idle / span:.1f}%) in {len(gaps)} gaps; "
+             f"gaps > 20 us: {sum(1 for g, _, _ in gaps if g > 20e3)} totalling "
+             f"{sum(g for g, _, _ in gaps if g > 20e3) / 1e6:.3f} ms"]
+    by_next: dict[str, list[float]] = {}
+    for g, _, nxt in gaps:
+        by_next.setdefault(nxt[:70], [0.0, 0])
+        by_next[nxt[:70]][0] += g
+        by_next[nxt[:70]][1] += 1
+    lines.append("idle before each kernel kind (top):")
+    for name, (g, n) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {g / 1e3:9.1f} us in {n:4d} gaps  before {name}")
+    lines.append("largest gaps:")
+    for g, before, after in sorted(gaps, key=lambda t: -t[0])[:top]:
+        lines.append(f"  {g / 1e3:9.1f} us  after {before[:60]}  ->  {after[:60]}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -76,7 +113,7 @@ def main() -> int:
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90)
-        text = f"# {variant}\n{phases}\n\n{table}\n"
+        text = f"# {variant}\n{phases}\n\n{idle_report(prof)}\n\n{table}\n"
         (args.out / f"profile_{variant}.txt").write_text(text)
         print(text, flush=True)
         del model, optimizer, prof

@@ -65,8 +65,9 @@ def test_every_family_has_a_generated_apply_function():
         assert fn is MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
         activation = "geglu" if model_type.startswith("gemma") else "swiglu"
         params = inspect.signature(fn).parameters
-        assert list(params) == ["rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", activation, "model"]
-        assert [p.default for p in params.values()] == [True, False, True, True, True, None]
+        assert list(params) == ["rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", activation, "model",
+                                "recompute_norm_outputs"]
+        assert [p.default for p in params.values()] == [True, False, True, True, True, None, True]
         with pytest.raises(TypeError):
             fn(not_an_option=True)
 

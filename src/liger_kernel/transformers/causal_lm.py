@@ -20,6 +20,11 @@ Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_uti
 * a mixture-of-experts family adds ``router_aux_loss_coef * aux`` where ``aux`` is the
   modeling module's load-balancing loss of the router logits (``output_router_logits``).
 
+With ``_liger_recompute_norm_outputs`` set on the model (the patch's
+``recompute_norm_outputs=True``, the default) the decoder runs inside
+:func:`liger_kernel.transformers.recompute.recompute_norm_outputs`: the norm outputs the
+projections save are recomputed in backward instead of kept (same values, less memory).
+
 Logits are returned when asked (``skip_logits=False``) and by default whenever the model is
 not training or has no labels - evaluation, ``generate()``. The loss then comes from the
 model's own ``self.loss_function`` on those logits, exactly as the unpatched forward does.
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 
 from liger_kernel.transformers.distributed import call_with_full_parameters, unwrapped_class
 from liger_kernel.transformers.families import ModelFamily, family_of
+from liger_kernel.transformers.recompute import recompute_norm_outputs
 
 IGNORE_INDEX = -100
 
@@ -193,15 +199,16 @@ def liger_causal_lm_forward(
 
     base_model = getattr(self, self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
-    outputs = base_model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        return_dict=True,
-        **kwargs,
-    )
+    with recompute_norm_outputs(getattr(self, "_liger_recompute_norm_outputs", False)):
+        outputs = base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
 
     hidden_states = _positions_to_keep(outputs.last_hidden_state, logits_to_keep)
     has_targets = labels is not None or shift_labels is not None

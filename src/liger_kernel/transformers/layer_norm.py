@@ -6,10 +6,13 @@ Matches ``torch.nn.functional.layer_norm`` forward and backward; the math is in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+from liger_kernel.ops.layer_norm import LigerLayerNormFunction, layer_norm_forward
+from liger_kernel.transformers.recompute import recomputing, register_recomputable
 from liger_kernel.transformers.rms_norm import norm_eps
 
 
@@ -21,6 +24,14 @@ def liger_layer_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None, e
     :mod:`liger_kernel.ops.layer_norm`); pass False if that gradient is needed elsewhere.
     """
     return LigerLayerNormFunction.apply(X, W, B, eps, in_place)
+
+
+def _recompute_layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float,
+                          in_place: bool) -> torch.Tensor:
+    """The forward's output again (bitwise): through the autograd Function under double backward."""
+    if torch.is_grad_enabled():
+        return LigerLayerNormFunction.apply(x, w, b, eps, in_place)
+    return layer_norm_forward(x, w, b, float(eps))[0]
 
 
 class LigerLayerNorm(nn.Module):
@@ -57,8 +68,12 @@ class LigerLayerNorm(nn.Module):
         self.variance_epsilon = value
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return LigerLayerNormFunction.apply(hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self),
-                                            getattr(self, "in_place", True))
+        args = (hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self), getattr(self, "in_place", True))
+        y = LigerLayerNormFunction.apply(*args)
+        if recomputing():
+            inputs = tuple(t for t in args[:3] if t is not None)
+            register_recomputable(y, functools.partial(_recompute_layer_norm, *args), inputs)
+        return y
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={norm_eps(self)}, bias={getattr(self, 'bias', None) is not None}"

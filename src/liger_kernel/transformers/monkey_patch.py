@@ -398,7 +398,7 @@ def _patch_rope_instances(model: nn.Module, family: ModelFamily) -> int:
 
 def _patch_instance(
     family: ModelFamily, model: nn.Module, rope: bool, cross_entropy: bool, fused_linear_cross_entropy: bool,
-    rms_norm: bool, gated_mlp: bool,
+    rms_norm: bool, gated_mlp: bool, recompute_norm_outputs: bool = True,
 ) -> None:
     model = _unwrap_peft(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -417,6 +417,7 @@ def _patch_instance(
     is_causal_lm = type(model).__name__ == family.causal_lm_class
     if fused_linear_cross_entropy and is_causal_lm:
         _bind(model, "forward", liger_causal_lm_forward)
+        model._liger_recompute_norm_outputs = bool(recompute_norm_outputs)
         counts["fused_linear_cross_entropy"] = 1
     if cross_entropy and is_causal_lm:
         model.loss_function = liger_causal_lm_loss
@@ -426,7 +427,7 @@ def _patch_instance(
 
 def _patch_classes(
     family: ModelFamily, rope: bool, cross_entropy: bool, fused_linear_cross_entropy: bool, rms_norm: bool,
-    gated_mlp: bool,
+    gated_mlp: bool, recompute_norm_outputs: bool = True,
 ) -> None:
     mt = family.model_type
     modeling = _modeling(family)
@@ -448,6 +449,7 @@ def _patch_classes(
     causal_lm = getattr(modeling, family.causal_lm_class)
     if fused_linear_cross_entropy:
         _set_patched(mt, causal_lm, "forward", liger_causal_lm_forward)
+        _set_patched(mt, causal_lm, "_liger_recompute_norm_outputs", bool(recompute_norm_outputs))
     if cross_entropy:
         # PreTrainedModel.loss_function returns self._loss_function when it exists.
         _set_patched(mt, causal_lm, "_loss_function", staticmethod(liger_causal_lm_loss))
@@ -472,6 +474,7 @@ def _make_apply_fn(family: ModelFamily) -> Callable[..., None]:
             ("rms_norm", True, "bool"),
             (option, True, "bool"),
             ("model", None, "PreTrainedModel | None"),
+            ("recompute_norm_outputs", True, "bool"),
         )
     ]
     signature = inspect.Signature(parameters, return_annotation="None")
@@ -504,6 +507,10 @@ def _make_apply_fn(family: ModelFamily) -> Callable[..., None]:
         {option}: Liger {option} kernel in ``{family.mlp.class_name}``.
         model: an instance to patch in place; None patches the modeling module (class level,
             undone by ``revert_liger_kernel({family.model_type!r})``).
+        recompute_norm_outputs: with the fused forward, the norm outputs that the projections
+            save for backward are recomputed there instead of kept (bitwise the same values;
+            2 x tokens x hidden elements less memory per layer). See
+            :mod:`liger_kernel.transformers.recompute`.
     """
     return apply
 

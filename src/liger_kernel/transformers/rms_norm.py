@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
+from liger_kernel.transformers.recompute import recomputing, register_recomputable
 
 
 def norm_eps(module: nn.Module) -> float:
@@ -31,6 +34,14 @@ def liger_rms_norm(X: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, offset: 
     See :mod:`liger_kernel.ops.rms_norm` for the casting modes and ``in_place``.
     """
     return LigerRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place)
+
+
+def _recompute_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, casting_mode: str,
+                        in_place: bool) -> torch.Tensor:
+    """The forward's output again (bitwise): through the autograd Function under double backward."""
+    if torch.is_grad_enabled():
+        return LigerRMSNormFunction.apply(x, w, eps, offset, casting_mode, in_place)
+    return rms_norm_forward(x, w, float(eps), float(offset), casting_mode)[0]
 
 
 class LigerRMSNorm(nn.Module):
@@ -74,14 +85,12 @@ class LigerRMSNorm(nn.Module):
         self.variance_epsilon = value
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return LigerRMSNormFunction.apply(
-            hidden_states,
-            self.weight,
-            norm_eps(self),
-            getattr(self, "offset", 0.0),
-            getattr(self, "casting_mode", "llama"),
-            getattr(self, "in_place", True),
-        )
+        args = (hidden_states, self.weight, norm_eps(self), getattr(self, "offset", 0.0),
+                getattr(self, "casting_mode", "llama"), getattr(self, "in_place", True))
+        y = LigerRMSNormFunction.apply(*args)
+        if recomputing():
+            register_recomputable(y, functools.partial(_recompute_rms_norm, *args), (hidden_states, self.weight))
+        return y
 
     def extra_repr(self) -> str:
         return (f"{tuple(self.weight.shape)}, eps={norm_eps(self)}, offset={getattr(self, 'offset', 0.0)}, "

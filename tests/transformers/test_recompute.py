@@ -1,0 +1,180 @@
+"""Norm outputs recomputed in backward (``liger_kernel.transformers.recompute``).
+
+The recompute runs the same deterministic kernel on the same inputs, so every gradient
+must be bitwise equal to the run that keeps the outputs; what changes is what autograd
+keeps, measured here by an outer saved-tensor hook that sees every tensor saved as usual.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_kernel.transformers.layer_norm import LigerLayerNorm
+from liger_kernel.transformers.recompute import recompute_norm_outputs
+from liger_kernel.transformers.rms_norm import LigerRMSNorm
+from tests.utils import DEVICE
+
+HIDDEN = 48
+
+
+class Block(torch.nn.Module):
+    """A pre-norm block: the norm output feeds two projections (both save it)."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN, bias=False)
+        self.gate = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return x.sum() + (self.up(y) * torch.sigmoid(self.gate(y))).sum()
+
+
+def make_block(kind: str) -> Block:
+    torch.manual_seed(0)
+    norm = LigerRMSNorm(HIDDEN) if kind == "rms" else LigerLayerNorm(HIDDEN)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    return Block(norm).to(DEVICE)
+
+
+class SavedBytes:
+    """An outer saved-tensor hook: how many bytes autograd saved through it."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def __enter__(self):
+        def pack(t):
+            self.total += t.numel() * t.element_size()
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def grads(block: Block, x: torch.Tensor, recompute: bool) -> tuple[list[torch.Tensor], int]:
+    block.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    with SavedBytes() as saved, recompute_norm_outputs(recompute):
+        out = block(x)
+    out.backward()
+    return [x.grad] + [p.grad for p in block.parameters()], saved.total
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("shape", [(3, 5, HIDDEN), (7, HIDDEN)])
+def test_same_gradients_less_saved(kind, shape):
+    block = make_block(kind)
+    x = torch.randn(shape, device=DEVICE)
+    kept, kept_bytes = grads(block, x, recompute=False)
+    recomputed, recomputed_bytes = grads(block, x, recompute=True)
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    # The two projections saved one view each of the same y: y no longer among the saved.
+    y_bytes = x.numel() * x.element_size()
+    assert kept_bytes - recomputed_bytes == 2 * y_bytes
+
+
+def test_recomputed_once_for_all_views(monkeypatch):
+    import liger_kernel.transformers.rms_norm as rms_module
+
+    calls = []
+    original = rms_module._recompute_rms_norm
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(rms_module, "_recompute_rms_norm", counting)
+    block = make_block("rms")
+    grads(block, torch.randn(4, 6, HIDDEN, device=DEVICE), recompute=True)
+    assert len(calls) == 1
+
+
+def test_input_modified_in_place_raises():
+    block = make_block("rms")
+    x = torch.randn(4, HIDDEN, device=DEVICE)
+    h = (x * 1.0).requires_grad_(False)
+    leaf = torch.zeros((), device=DEVICE, requires_grad=True)
+    with recompute_norm_outputs():
+        inp = h + leaf
+        out = block.up(block.norm(inp)).sum()
+    with torch.no_grad():
+        inp.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place|modified by an inplace"):
+        out.backward()
+
+
+def test_outer_hooks_still_apply():
+    """Tensors this context does not take over still go through hooks active outside it."""
+    block = make_block("rms")
+    x = torch.randn(4, HIDDEN, device=DEVICE, requires_grad=True)
+    seen = []
+
+    def pack(t):
+        seen.append(t.shape)
+        return ("outer", t)
+
+    def unpack(packed):
+        assert packed[0] == "outer"
+        return packed[1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), recompute_norm_outputs():
+        out = block(x)
+    out.backward()
+    assert seen and x.grad is not None
+
+
+def test_inactive_without_grad_or_when_disabled():
+    block = make_block("rms")
+    x = torch.randn(4, HIDDEN, device=DEVICE, requires_grad=True)
+    with torch.no_grad(), recompute_norm_outputs():
+        block(x)  # nothing is saved; must not fail
+    _, disabled = grads(block, x, recompute=False)
+    block.zero_grad(set_to_none=True)
+    with SavedBytes() as plain:
+        out = block(x.detach().clone().requires_grad_(True))
+    out.backward()
+    assert plain.total == disabled
+
+
+def test_create_graph_keeps_higher_order_path():
+    """Under create_graph the recompute goes through the autograd Function: first-order
+    gradients with a graph still equal the kept run's."""
+    block = make_block("rms")
+    x = torch.randn(4, HIDDEN, device=DEVICE)
+    kept, _ = grads(block, x, recompute=False)
+    xr = x.clone().requires_grad_(True)
+    with recompute_norm_outputs():
+        out = block(xr)
+    (gx,) = torch.autograd.grad(out, xr, create_graph=True)
+    assert torch.equal(gx.detach(), kept[0])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_patched_model_same_gradients(model_type):
+    pytest.importorskip("transformers")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+
+    batch = random_batch(1024, seed=0)
+    results = []
+    for recompute in (False, True):
+        model = build_model(model_type)
+        _apply_liger_kernel_to_instance(model, recompute_norm_outputs=recompute)
+        assert model._liger_recompute_norm_outputs is recompute
+        with SavedBytes() as saved:
+            results.append((loss_and_grads(model, batch), saved.total))
+    ((loss_a, grads_a), bytes_a), ((loss_b, grads_b), bytes_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    assert bytes_b < bytes_a
