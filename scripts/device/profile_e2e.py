@@ -10,7 +10,10 @@ each variant given (``hf``, ``liger``): a few warm-up steps, then
   (the step's span minus kernel time: host overhead and syncs), with the largest gaps
   and the kernels around them.
 
-Usage: ``python scripts/device/profile_e2e.py --out OUT [--variants hf,liger]``
+With ``--host``: instead, the host (Python) time of three forward passes under cProfile,
+the functions with the most own and cumulative time, to ``OUT/host_<variant>.txt``.
+
+Usage: ``python scripts/device/profile_e2e.py --out OUT [--variants hf,liger] [--host]``
 """
 
 import argparse
@@ -89,6 +92,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="hf,liger")
     p.add_argument("--rows", type=int, default=45)
+    p.add_argument("--host", action="store_true")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -106,6 +110,49 @@ def main() -> int:
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if args.host:
+            import cProfile
+            import io
+            import pstats
+            import time
+
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for ids in batches[:3]:
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            plain = (time.perf_counter() - start) / 3
+            # Host time of the forward alone: the GPU runs behind, so no sync inside.
+            forward_host = []
+            for ids in batches[:3]:
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                loss = model(input_ids=ids, labels=ids).loss
+                forward_host.append(time.perf_counter() - t0)
+                torch.cuda.synchronize(device)
+                forward_gpu = time.perf_counter() - t0
+                loss.backward()
+                optimizer.zero_grad(set_to_none=True)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for ids in batches[:3]:
+                loss = model(input_ids=ids, labels=ids).loss
+            profiler.disable()
+            torch.cuda.synchronize(device)
+            del loss
+            stream = io.StringIO()
+            stats = pstats.Stats(profiler, stream=stream)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(60)
+            text = (f"# {variant}: forward+backward {1e3 * plain:.1f} ms per step (synced); forward host time "
+                    f"{', '.join(f'{1e3 * t:.1f}' for t in forward_host)} ms, forward to GPU done "
+                    f"{1e3 * forward_gpu:.1f} ms\n{stream.getvalue()}")
+            (args.out / f"host_{variant}.txt").write_text(text)
+            print(text[:3000], flush=True)
+            del model, optimizer
+            torch.cuda.empty_cache()
+            continue
         phases = memory_phases(model, optimizer, batches[2])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             model(input_ids=batches[3], labels=batches[3]).loss.backward()

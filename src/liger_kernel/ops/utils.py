@@ -261,7 +261,20 @@ class RowNormLaunch:
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLaunch:
-    """Tile shape, warps and grid sizes for normalising ``n_rows`` rows of ``n_cols``."""
+    """Tile shape, warps and grid sizes for normalising ``n_rows`` rows of ``n_cols``.
+
+    Memoised (a training step asks for the same few shapes hundreds of times, and the
+    host time of a launch shows as GPU idle time when the GPU outpaces Python); the key
+    includes the tunables, so changing one (``benchmarks.tune``) takes effect at once.
+    """
+    tunables = (MAX_FUSED_BLOCK, MAX_BLOCK, ROW_NORM_TILE_ELEMENTS, ROW_NORM_MAX_ROWS_PER_TILE,
+                ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD, ROW_NORM_WARPS_PER_SM, ROW_NORM_MAX_PROGRAMS_PER_SM,
+                ROW_NORM_BACKWARD_TILE_ELEMENTS, ROW_NORM_BACKWARD_PREFETCH, is_interpreter())
+    return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), tunables)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, tunables: tuple) -> RowNormLaunch:
     block_cols, _ = row_launch_settings(n_cols)
     fused = block_cols >= n_cols
 
@@ -281,7 +294,7 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLa
         backward_num_warps = num_warps  # ignored by the interpreter, but it sizes the grid below
     n_tiles = cdiv(n_rows, block_rows)
     programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // backward_num_warps))
-    programs = num_programs_for_rows(cdiv(n_rows, backward_block_rows), device, programs_per_sm)
+    programs = max(1, min(cdiv(n_rows, backward_block_rows), n_sms * programs_per_sm))
     return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
                          programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-# Registries of the active contexts (innermost last): storage address -> (weak output, recipe).
+# Registries of the active contexts (innermost last): output address -> (weak output, recipe).
 _ACTIVE: list[dict[int, tuple[weakref.ref, _Recipe]]] = []
 
 
@@ -73,10 +73,13 @@ class _SavedView:
         return self.recipe.output().as_strided(self.size, self.stride, self.offset)
 
 
-def _storage_key(t: torch.Tensor) -> int | None:
+def _address_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s first element: a registered output (contiguous, at offset 0)
+    and every view of it that starts at its beginning (the 2-D view ``F.linear`` saves)
+    share it. Cheap (no storage object), as the pack hook runs for every saved tensor."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
         return None  # subclasses (DTensor, ...) and empty tensors are never registered
-    return t.untyped_storage().data_ptr()
+    return t.data_ptr()
 
 
 def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
@@ -88,8 +91,8 @@ def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
     """
     if not _ACTIVE or not torch.is_grad_enabled():
         return
-    key = _storage_key(y)
-    if key is None or y.storage_offset() != 0 or not y.is_contiguous():
+    key = _address_key(y)
+    if key is None or not y.is_contiguous():
         return
     _ACTIVE[-1][key] = (weakref.ref(y), _Recipe(compute, inputs))
 
@@ -111,12 +114,13 @@ def recompute_norm_outputs(enabled: bool = True) -> Iterator[None]:
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(t: torch.Tensor):
-        key = _storage_key(t)
-        entry = registry.get(key) if key is not None else None
+        entry = registry.get(_address_key(t)) if registry else None
         if entry is not None:
             y = entry[0]()
-            # A live y owns this storage, so the address cannot belong to anything else.
-            if y is not None and t.dtype == y.dtype and t.device == y.device:
+            # A live y owns this memory, so a tensor starting at its address with its dtype
+            # and device is a view of it (of at most its size: the same storage).
+            if (y is not None and t.dtype == y.dtype and t.device == y.device
+                    and t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()):
                 return _SavedView(entry[1], t)
         return outer_pack(t) if outer_pack is not None else t
 
