@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,flce,"
-                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,rope "
+                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_accumulator,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
     p.add_argument("--emit-best", type=Path, default=None,
@@ -215,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
                 spec = specs[op]
                 _sweep(op, ops_utils, {"ROW_NORM_TILE_ELEMENTS": (2048, 4096, 8192, 16384)},
                        spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+        if want("norm_accumulator"):
+            # The backward's dW accumulation for multi-row tiles (None: chosen per shape).
+            for op in ("rms_norm", "layer_norm"):
+                spec = specs[op]
+                for shape in spec.gpu_shapes[:2]:
+                    _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils,
+                           {"ROW_NORM_BACKWARD_ROW_ACCUMULATOR": (None, True, False)},
+                           spec, shape, dtype, device, cfg, writer, deadline)
         if want("cross_entropy_grid"):
             # Fewer rows in flight than one per SM: does pass 2's re-read start hitting L2?
             spec = specs["cross_entropy"]

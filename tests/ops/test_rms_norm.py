@@ -88,6 +88,21 @@ def test_fp32_matches_float64(n_rows, hidden, mode, offset, in_place):
     assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")
 
 
+@pytest.mark.parametrize("row_accumulator", [True, False])
+@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (1000 + 7, 64)])
+def test_backward_accumulators_agree(monkeypatch, n_rows, hidden, row_accumulator):
+    """Both dW accumulations of multi-row backward tiles (ROW_NORM_BACKWARD_ROW_ACCUMULATOR)."""
+    import liger_kernel.ops.utils as ops_utils
+
+    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_ROW_ACCUMULATOR", row_accumulator)
+    assert ops_utils.row_norm_launch(n_rows, hidden, torch.device(DEVICE)).backward_row_accumulator is row_accumulator
+    x, w, dy = make_inputs(n_rows, hidden, torch.float32)
+    _, dx, dw = run(liger, x, w, dy, EPS, 0.0, "llama", False)
+    _, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, 0.0)
+    assert_close(dx, dx_ref, scale=4, msg="dx")
+    assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")
+
+
 @pytest.mark.parametrize("mode,offset", MODES)
 @pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, 1027), (2, MAX_FUSED_BLOCK + 8)],
                                                   full=[(1007, 4231), (64, 4096)]))

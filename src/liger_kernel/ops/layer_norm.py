@@ -88,6 +88,7 @@ def _launch_args(launch, backward: bool) -> dict:
     )
     if backward:
         args["PREFETCH"] = launch.backward_prefetch
+        args["ROW_ACCUMULATOR"] = launch.backward_row_accumulator
     return args
 
 
