@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Run the reduced GPU workload under compute-sanitizer memcheck and racecheck.
 # Usage: scripts/sanitizer_check.sh OUT_DIR   (on a CUDA machine)
+# SANITIZER_TOOLS (default "memcheck racecheck") picks the tools. Each tool's full log is
+# OUT_DIR/sanitizer_<tool>.log; sanitizer.txt gets the summaries and, for every reported
+# hazard or error, its first lines (which kernel, which access), so it can be attributed.
 set -u
 out=${1:?usage: scripts/sanitizer_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -14,12 +17,14 @@ if [ -z "$sanitizer" ]; then
 fi
 if [ -z "$sanitizer" ]; then echo "compute-sanitizer not found" | tee "$out/sanitizer.txt"; exit 1; fi
 status=0
-for tool in memcheck racecheck; do
+for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
   "$sanitizer" --tool "$tool" --error-exitcode 3 --print-limit 50 python3 scripts/sanitizer_workload.py \
     >"$out/sanitizer_$tool.log" 2>&1
   rc=$?
   summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer_$tool.log" | tail -1)
   echo "$tool: exit $rc; ${summary:-no summary line}" | tee -a "$out/sanitizer.txt"
+  grep -E -A8 "^========= (Error|Invalid|Race reported|Warning)|hazard" "$out/sanitizer_$tool.log" | head -120 \
+    >>"$out/sanitizer.txt"
   [ "$rc" -eq 0 ] || status=1
 done
 exit $status

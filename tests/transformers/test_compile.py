@@ -17,7 +17,7 @@ Two checks per family:
   which raises on any graph break) gives the eager patched model's loss and gradients. On
   CPU Inductor generates C++ for the non-Liger parts (attention, matmuls, residuals) while the
   Liger ops run through the Triton interpreter; each build costs ~30 s of CPU, so the CPU
-  suite compiles Llama only and the GPU run four more families (the trace test covers all).
+  suite compiles Llama only and the GPU run every other family too.
 
 Tolerance (fp32): Inductor fuses and reorders the surrounding fp32 elementwise ops and
 reductions (softmax, residual adds), which changes roundings only, observed ~1e-7 relative; we
@@ -37,9 +37,8 @@ from tests.utils import DEVICE, rel_error, shapes
 pytest.importorskip("transformers")
 
 TRACE_FAMILIES = shapes(small=["llama", "gemma2"], full=[m for m in MODEL_TYPES if m not in ("llama", "gemma2")])
-# Inductor builds are the expensive part (also on the GPU): the families whose code paths
-# differ most - soft-capped GEGLU with four norms, q/k norms, MoE experts, fused projections.
-COMPILE_FAMILIES = shapes(small=["llama"], full=["gemma2", "qwen3", "mixtral", "phi3"])
+# Inductor builds are the expensive part: the CPU suite builds Llama, the GPU run every family.
+COMPILE_FAMILIES = shapes(small=["llama"], full=[m for m in MODEL_TYPES if m != "llama"])
 
 # Liger ops each patched training step must call: norm, rotary, gated MLP, fused loss.
 EXPECTED_OPS = {
