@@ -178,3 +178,25 @@ def test_patched_model_same_gradients(model_type):
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), name
     assert bytes_b < bytes_a
+
+
+def test_zero3_parameters_are_not_recomputed():
+    """A DeepSpeed ZeRO-3 parameter (marked ``ds_id``) is gathered too late for a recompute."""
+    block = make_block("rms")
+    block.norm.weight.ds_id = 0
+    x = torch.randn(4, HIDDEN, device=DEVICE)
+    kept, kept_bytes = grads(block, x, recompute=False)
+    same, same_bytes = grads(block, x, recompute=True)
+    assert same_bytes == kept_bytes
+    for a, b in zip(kept, same):
+        assert torch.equal(a, b)
+
+
+def test_released_parameters_raise():
+    block = make_block("rms")
+    x = torch.randn(4, HIDDEN, device=DEVICE, requires_grad=True)
+    with recompute_norm_outputs():
+        out = block(x)
+    block.norm.weight.data = torch.empty(0, device=DEVICE)  # what a sharding release leaves
+    with pytest.raises(RuntimeError, match="released"):
+        out.backward()

@@ -16,8 +16,10 @@ values) and every handle returns its view of it. Everything else is saved as usu
 hooks already active outside (e.g. ``save_on_cpu``) still handle those tensors.
 
 Not used (tensors saved as usual) while ``torch.compile`` traces, while grad is disabled,
-where saved-tensor hooks are disabled, or inside regions with their own hooks (activation
-checkpointing already recomputes everything there). If the norm's input was modified in
+where saved-tensor hooks are disabled, inside regions with their own hooks (activation
+checkpointing already recomputes everything there), or for DeepSpeed ZeRO-3 parameters
+(gathered per module only when the backward reaches the norm, after the recompute). FSDP2
+unshards a whole decoder layer before any of its backward, so it is safe there. If the norm's input was modified in
 place after the forward, the recompute raises, as autograd would for a saved tensor. Under
 double backward (``create_graph=True``) the recompute runs through the autograd Function,
 so higher-order gradients still flow to the norm's input and weight.
@@ -48,6 +50,11 @@ class _Recipe:
 
     def output(self) -> torch.Tensor:
         if self._cached is None:
+            if any(t.numel() == 0 for t in self._inputs):
+                raise RuntimeError(
+                    "the parameters of a Liger norm whose output is recomputed in backward were released "
+                    "(sharded) before the recompute; patch with recompute_norm_outputs=False"
+                )
             if tuple(t._version for t in self._inputs) != self._versions:
                 raise RuntimeError(
                     "an input of a Liger norm whose output is recomputed in backward was modified in place "
@@ -90,6 +97,10 @@ def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
     ``inputs`` (which the caller's autograd node keeps alive anyway). No-op outside a context.
     """
     if not _ACTIVE or not torch.is_grad_enabled():
+        return
+    # DeepSpeed ZeRO-3 gathers a module's parameters only when the backward reaches that
+    # module, after its consumers' backward would need the recompute: keep y as usual.
+    if any(hasattr(t, "ds_id") for t in inputs):
         return
     key = _address_key(y)
     if key is None or not y.is_contiguous():
