@@ -47,6 +47,7 @@ import torch
 from liger_kernel.ops.utils import (
     ROW_NORM_CAST_FP32,
     as_rows,
+    backward_writes_into_grad,
     check_float_dtype,
     check_last_dim,
     check_same_device,
@@ -54,6 +55,7 @@ from liger_kernel.ops.utils import (
     liger_custom_op,
     row_norm_backward_kernel,
     row_norm_forward_kernel,
+    row_norm_grad_buffers,
     row_norm_launch,
 )
 
@@ -134,14 +136,7 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
     has_bias = bias is not None
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
-    if in_place:
-        dy_rows = grad_output.view(n_rows, n_cols)
-        dx_rows = dy_rows
-        grad_x = x.new_empty((0,))
-    else:
-        dy_rows = as_rows(grad_output)
-        dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        grad_x = dx_rows.view(x.shape)
+    dy_rows, dx_rows, grad_x = row_norm_grad_buffers(grad_output, x, in_place)
     if n_rows == 0 or n_cols == 0:
         grad_bias = torch.zeros_like(bias) if has_bias else weight.new_empty((0,))
         return grad_x, torch.zeros_like(weight), grad_bias
@@ -188,9 +183,7 @@ class LigerLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         X, W, B, mean, rstd = ctx.saved_tensors
-        # As for RMSNorm: never mutate the incoming gradient under torch.compile.
-        write_into_grad = (ctx.in_place and not torch.compiler.is_compiling() and grad_output.is_contiguous()
-                           and grad_output.dtype == X.dtype)
+        write_into_grad = backward_writes_into_grad(ctx.in_place, grad_output, X)
         grad_x, grad_w, grad_b = layer_norm_backward(grad_output, X, W, B, mean, rstd, write_into_grad)
         if write_into_grad:
             grad_x = grad_output

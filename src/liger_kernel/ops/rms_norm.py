@@ -63,6 +63,7 @@ from liger_kernel.ops.utils import (
     ROW_NORM_CAST_LLAMA,
     ROW_NORM_CAST_NONE,
     as_rows,
+    backward_writes_into_grad,
     check_float_dtype,
     check_last_dim,
     check_same_device,
@@ -70,6 +71,7 @@ from liger_kernel.ops.utils import (
     liger_custom_op,
     row_norm_backward_kernel,
     row_norm_forward_kernel,
+    row_norm_grad_buffers,
     row_norm_launch,
 )
 
@@ -163,14 +165,7 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
     casting = _casting_code(casting_mode)
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
-    if in_place:
-        dy_rows = grad_output.view(n_rows, n_cols)
-        dx_rows = dy_rows
-        grad_x = x.new_empty((0,))
-    else:
-        dy_rows = as_rows(grad_output)
-        dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        grad_x = dx_rows.view(x.shape)
+    dy_rows, dx_rows, grad_x = row_norm_grad_buffers(grad_output, x, in_place)
     if n_rows == 0 or n_cols == 0:
         return grad_x, torch.zeros_like(weight)
     launch = row_norm_launch(n_rows, n_cols, x.device)
@@ -215,10 +210,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         X, W, rstd = ctx.saved_tensors
-        # Under torch.compile the backward must not mutate its input (it may be a view the
-        # traced graph created without grad; Inductor plans the buffers itself).
-        write_into_grad = (ctx.in_place and not torch.compiler.is_compiling() and grad_output.is_contiguous()
-                           and grad_output.dtype == X.dtype)
+        write_into_grad = backward_writes_into_grad(ctx.in_place, grad_output, X)
         grad_x, grad_w = rms_norm_backward(grad_output, X, W, rstd, ctx.offset, ctx.casting_mode,
                                            write_into_grad)
         if write_into_grad:

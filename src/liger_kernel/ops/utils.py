@@ -281,6 +281,31 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLa
     return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), tunables)
 
 
+def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a norm's in-place backward may write dx over ``grad_output``: asked for, and
+    grad_output is contiguous with x's dtype. Never under torch.compile, where the backward
+    must not mutate its input (it may be a view the traced graph created without grad;
+    Inductor plans the buffers itself)."""
+    return (in_place and not torch.compiler.is_compiling() and grad_output.is_contiguous()
+            and grad_output.dtype == x.dtype)
+
+
+def row_norm_grad_buffers(grad_output: torch.Tensor, x: torch.Tensor,
+                          in_place: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dy_rows, dx_rows, grad_x)`` for a norm backward launch over x's rows.
+
+    In place, dx is written over dy and ``grad_x`` is an empty placeholder (a custom op may
+    not return an alias of its input; the caller returns grad_output); otherwise dx is a
+    fresh buffer and ``grad_x`` its view in x's shape.
+    """
+    n_rows, n_cols = as_rows(x).shape
+    if in_place:
+        dy_rows = grad_output.view(n_rows, n_cols)
+        return dy_rows, dy_rows, x.new_empty((0,))
+    dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    return as_rows(grad_output), dx_rows, dx_rows.view(x.shape)
+
+
 @functools.lru_cache(maxsize=1024)
 def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, tunables: tuple) -> RowNormLaunch:
     block_cols, _ = row_launch_settings(n_cols)
