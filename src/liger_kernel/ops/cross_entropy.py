@@ -54,6 +54,7 @@ from liger_kernel.ops.utils import (
     check_same_device,
     check_tensor,
     is_interpreter,
+    launch_kernel,
     liger_custom_op,
     multiprocessor_count,
     num_programs_for_rows,
@@ -530,7 +531,7 @@ def launch_cross_entropy_kernel(
         split_pow2 = 1
         stats = arrivals = loss_rows  # unused
         extra = {}
-    compiled = _cross_entropy_kernel[grid](
+    compiled = launch_kernel(_cross_entropy_kernel, grid,
         logits,
         logits.stride(0),
         grad if compute_grad else logits,

@@ -52,6 +52,7 @@ from liger_kernel.ops.utils import (
     check_last_dim,
     check_same_device,
     check_tensor,
+    launch_kernel,
     liger_custom_op,
     row_norm_backward_kernel,
     row_norm_forward_kernel,
@@ -106,7 +107,7 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if n_rows > 0 and n_cols > 0:
         launch = row_norm_launch(n_rows, n_cols, x.device)
         w = weight.contiguous()
-        row_norm_forward_kernel[(launch.n_tiles,)](
+        launch_kernel(row_norm_forward_kernel, (launch.n_tiles,),
             rows, w, bias.contiguous() if bias is not None else w, y, mean, rstd,
             n_rows, n_cols, rows.stride(0), y.stride(0),
             eps, 0.0,
@@ -143,7 +144,7 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
     launch = row_norm_launch(n_rows, n_cols, x.device)
     n_partials = 2 if has_bias else 1
     partials = torch.empty((n_partials, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
-    row_norm_backward_kernel[(launch.backward_programs,)](
+    launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
         dy_rows, x_rows, weight.contiguous(), mean, rstd, dx_rows, partials[0], partials[n_partials - 1],
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), 0.0,
         HAS_BIAS=has_bias, **_launch_args(launch, backward=True),

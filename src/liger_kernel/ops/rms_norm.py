@@ -68,6 +68,7 @@ from liger_kernel.ops.utils import (
     check_last_dim,
     check_same_device,
     check_tensor,
+    launch_kernel,
     liger_custom_op,
     row_norm_backward_kernel,
     row_norm_forward_kernel,
@@ -135,7 +136,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0 and n_cols > 0:
         launch = row_norm_launch(n_rows, n_cols, x.device)
-        row_norm_forward_kernel[(launch.n_tiles,)](
+        launch_kernel(row_norm_forward_kernel, (launch.n_tiles,),
             rows, weight.contiguous(), rows, y, rstd, rstd,  # no bias, no mean: unused pointers
             n_rows, n_cols, rows.stride(0), y.stride(0),
             eps, offset,
@@ -170,7 +171,7 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
         return grad_x, torch.zeros_like(weight)
     launch = row_norm_launch(n_rows, n_cols, x.device)
     dw_partial = torch.empty((launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
-    row_norm_backward_kernel[(launch.backward_programs,)](
+    launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
         dy_rows, x_rows, weight.contiguous(), rstd, rstd, dx_rows, dw_partial, dw_partial,
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
         CENTER=False, HAS_BIAS=False, CASTING=casting,

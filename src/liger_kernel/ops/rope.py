@@ -61,6 +61,7 @@ from liger_kernel.ops.utils import (
     check_tensor,
     ensure_contiguous_last_dim,
     is_interpreter,
+    launch_kernel,
     liger_custom_op,
     row_launch_settings,
 )
@@ -202,7 +203,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos_sb, cos_st = _table_strides(cos)
     sin_sb, sin_st = _table_strides(sin)
     grid = (batch * cdiv(seq_len, block_t),)
-    rope_kernel[grid](
+    launch_kernel(rope_kernel, grid,
         q, k, q_out, k_out, cos, sin,
         seq_len, n_q_heads, n_k_heads,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

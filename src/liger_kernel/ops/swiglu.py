@@ -67,6 +67,7 @@ from liger_kernel.ops.utils import (
     check_same_device,
     check_tensor,
     is_interpreter,
+    launch_kernel,
     liger_custom_op,
     row_launch_settings,
 )
@@ -236,7 +237,7 @@ def gated_activation_forward(a: torch.Tensor, b: torch.Tensor, activation: int) 
     h = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
     if n_rows > 0 and n_cols > 0:
         block_rows, block_cols, num_warps, n_tiles = _launch_geometry(n_rows, n_cols)
-        gated_activation_forward_kernel[(n_tiles,)](
+        launch_kernel(gated_activation_forward_kernel, (n_tiles,),
             a_rows, b_rows, h,
             n_rows, n_cols, a_rows.stride(0), b_rows.stride(0), h.stride(0),
             ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
@@ -265,7 +266,7 @@ def gated_activation_backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Te
         db_rows = torch.empty((n_rows, n_cols), dtype=b.dtype, device=b.device)
     if n_rows > 0 and n_cols > 0:
         block_rows, block_cols, num_warps, n_tiles = _launch_geometry(n_rows, n_cols)
-        gated_activation_backward_kernel[(n_tiles,)](
+        launch_kernel(gated_activation_backward_kernel, (n_tiles,),
             dh_rows, a_rows, b_rows, da_rows, db_rows,
             n_rows, n_cols, dh_rows.stride(0), a_rows.stride(0), b_rows.stride(0),
             da_rows.stride(0), db_rows.stride(0),

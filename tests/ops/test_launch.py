@@ -1,0 +1,162 @@
+"""ops.utils.launch_kernel: the cached-specialisation launch gives what ``kernel[grid]`` gives.
+
+On the GPU the second launch with the same argument properties skips Triton's lookup; these
+tests check that it still launches the right specialisation when alignment, integer
+properties, dtypes or constexprs change, that defaults of trailing constexprs are honoured,
+and that profiler hooks and the environment switch send launches back through Triton. Under
+the interpreter every launch goes through Triton, and the same tests check the results.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from liger_kernel.ops import utils
+from liger_kernel.ops.utils import _argument_key, is_interpreter, launch_kernel
+from tests.utils import DEVICE
+
+FAST = not is_interpreter() and utils.FAST_LAUNCH
+
+
+@triton.jit
+def _axpy_kernel(X, Y, OUT, n, alpha, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(Y + offsets, mask=mask, other=0.0).to(tl.float32)
+    out = alpha * x + y
+    if NEGATE:
+        out = -out
+    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _axpy(x, y, alpha=0.5, block=128, **constexprs):
+    out = torch.empty_like(x)
+    n = x.numel()
+    launch_kernel(_axpy_kernel, (triton.cdiv(n, block),), x, y, out, n, alpha, BLOCK=block, num_warps=1,
+                  **constexprs)
+    return out
+
+
+def _reference(x, y, alpha=0.5, negate=False):
+    out = (alpha * x.float() + y.float()).to(x.dtype)
+    return -out if negate else out
+
+
+class _CountTritonCalls:
+    """Counts launches that went through ``JITFunction.run`` (Triton's own path)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = _axpy_kernel.run
+
+        def counting_run(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_axpy_kernel, "run", counting_run)
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(utils, "_LAUNCH_CACHE", {})
+    return utils
+
+
+def test_repeated_launches_match_and_skip_triton(monkeypatch, fresh_cache):
+    counter = _CountTritonCalls(monkeypatch)
+    for _ in range(3):
+        x, y = torch.randn(1000, device=DEVICE), torch.randn(1000, device=DEVICE)
+        torch.testing.assert_close(_axpy(x, y), _reference(x, y), rtol=1e-6, atol=1e-6)
+    assert counter.calls == (1 if FAST else 3)
+    assert len(fresh_cache._LAUNCH_CACHE) == (1 if FAST else 0)
+
+
+def test_misaligned_view_gets_its_own_specialisation(fresh_cache):
+    # A kernel specialised on 16-byte aligned pointers may vectorise its loads; a view
+    # starting one element in must not reuse it.
+    base_x, base_y = torch.randn(1001, device=DEVICE), torch.randn(1001, device=DEVICE)
+    _axpy(base_x[:1000], base_y[:1000])
+    x, y = base_x[1:], base_y[1:]
+    torch.testing.assert_close(_axpy(x, y), _reference(x, y), rtol=1e-6, atol=1e-6)
+    if FAST:
+        assert len(fresh_cache._LAUNCH_CACHE) == 2
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 4096, 4099])
+def test_integer_specialisations(n, fresh_cache):
+    # n == 1 is a constant and multiples of 16 are a divisibility hint in Triton: each
+    # property change must select a kernel compiled for it, in any order.
+    for size in (n, 33, n):
+        x, y = torch.randn(size, device=DEVICE), torch.randn(size, device=DEVICE)
+        torch.testing.assert_close(_axpy(x, y), _reference(x, y), rtol=1e-6, atol=1e-6)
+
+
+def test_dtypes_constexprs_and_defaults(fresh_cache):
+    x32, y32 = torch.randn(300, device=DEVICE), torch.randn(300, device=DEVICE)
+    x16, y16 = x32.half(), y32.half()  # fp16: the interpreter rounds it as the GPU does
+    for _ in range(2):
+        torch.testing.assert_close(_axpy(x32, y32), _reference(x32, y32), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(_axpy(x16, y16), _reference(x16, y16), rtol=0, atol=0)
+        torch.testing.assert_close(_axpy(x32, y32, NEGATE=True), _reference(x32, y32, negate=True),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(_axpy(x32, y32, alpha=-3.0, block=64), _reference(x32, y32, -3.0),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not FAST, reason="the cached path exists only for compiled kernels")
+def test_launch_hooks_go_through_triton(monkeypatch, fresh_cache):
+    knobs = triton.knobs.runtime
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    x, y = torch.randn(100, device=DEVICE), torch.randn(100, device=DEVICE)
+    _axpy(x, y)  # cached now
+    hook_chain = knobs.launch_enter_hook
+    if hasattr(hook_chain, "add"):
+        hook_chain.add(hook)
+        try:
+            _axpy(x, y)
+        finally:
+            hook_chain.remove(hook)
+    else:
+        monkeypatch.setattr(knobs, "launch_enter_hook", hook)
+        _axpy(x, y)
+    assert len(seen) == 1
+
+
+@pytest.mark.skipif(not FAST, reason="the cached path exists only for compiled kernels")
+def test_switch_off_uses_triton_every_time(monkeypatch, fresh_cache):
+    monkeypatch.setattr(utils, "FAST_LAUNCH", False)
+    counter = _CountTritonCalls(monkeypatch)
+    x, y = torch.randn(100, device=DEVICE), torch.randn(100, device=DEVICE)
+    for _ in range(2):
+        torch.testing.assert_close(_axpy(x, y), _reference(x, y), rtol=1e-6, atol=1e-6)
+    assert counter.calls == 2 and not fresh_cache._LAUNCH_CACHE
+
+
+def test_callable_grid_falls_back(fresh_cache):
+    x, y = torch.randn(500, device=DEVICE), torch.randn(500, device=DEVICE)
+    out = torch.empty_like(x)
+    for _ in range(2):
+        launch_kernel(_axpy_kernel, lambda meta: (triton.cdiv(500, meta["BLOCK"]),), x, y, out, 500, 2.0,
+                      BLOCK=128, num_warps=1)
+        torch.testing.assert_close(out, _reference(x, y, 2.0), rtol=1e-6, atol=1e-6)
+    assert not fresh_cache._LAUNCH_CACHE
+
+
+def test_argument_keys():
+    assert _argument_key(1) != _argument_key(2) != _argument_key(32)
+    assert _argument_key(32) == _argument_key(48)
+    assert _argument_key(2**31 - 1) != _argument_key(2**31)  # i32 -> i64
+    assert _argument_key(2**63) != _argument_key(2**62)  # i64 -> u64
+    assert _argument_key(0.5) == _argument_key(3.0)
+    assert _argument_key(None) is type(None)
+    t = torch.zeros(8)
+    assert _argument_key(t) == (torch.float32, t.data_ptr() % 16 == 0)
+    assert _argument_key(t[1:]) != _argument_key(t) or t.data_ptr() % 16 != 0
+    assert _argument_key(t.bfloat16())[0] == torch.bfloat16
+    assert _argument_key("a string") is NotImplemented
