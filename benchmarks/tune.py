@@ -157,7 +157,7 @@ def flce_chunk_breakdown(chunk_rows: Iterable[int], device: torch.device, cfg: T
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,flce,"
+    p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
                                               "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_accumulator,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -229,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
             _sweep("cross_entropy", ce_ops, [
                 {"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
                 for b in (16384, 32768) for p in (0.25, 0.5, 0.75, 1)
+            ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("cross_entropy_lanes"):
+            # Pass-1 lane width (CE_MAX_BLOCK = per-block statistics) by block and programs per SM.
+            spec = specs["cross_entropy"]
+            _sweep("cross_entropy", ce_ops, [
+                {"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p, "CE_LANE_WIDTH": w}
+                for b, p in ((32768, 1), (32768, 2), (16384, 2), (8192, 4), (8192, 8)) for w in (8, 32, b)
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("cross_entropy"):
             spec = specs["cross_entropy"]

@@ -52,6 +52,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--profile", action="store_true",
+                        help="also write cProfile tables of the patched layer and model forward")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -137,6 +139,35 @@ def main() -> int:
     record("HF LlamaDecoderLayer forward (grad)", layer_call(hf_model, False))
     both_launch_modes("patched LlamaDecoderLayer forward (grad)", layer_call(liger_model, False))
     both_launch_modes("patched LlamaDecoderLayer forward (grad), recompute", layer_call(liger_model, True))
+
+    def forward(model, recompute: bool):
+        def run():
+            model._liger_recompute_norm_outputs = recompute
+            return model(input_ids=ids, labels=ids).loss
+        return run
+
+    record("HF 2-layer model forward (grad)", forward(hf_model, False))
+    record("patched 2-layer model forward (grad), recompute", forward(liger_model, True))
+    record("patched 2-layer model forward (grad), no recompute", forward(liger_model, False))
+    liger_model._liger_recompute_norm_outputs = True
+
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        for name, fn in (("layer_recompute", layer_call(liger_model, True)), ("layer_plain", layer_call(liger_model, False)),
+                         ("model_forward", forward(liger_model, True))):
+            fn()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(200):
+                fn()
+            profiler.disable()
+            stream = io.StringIO()
+            pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(45)
+            (args.out / f"host_profile_{name}.txt").write_text(stream.getvalue())
+        liger_model._liger_recompute_norm_outputs = True
 
     def step(model):
         def run():

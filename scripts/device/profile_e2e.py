@@ -101,10 +101,11 @@ def main() -> int:
     batches = token_batches(4, 4, 2048, config.vocab_size, 0, device)
     for variant in args.variants.split(","):
         model = build_model(config, device, torch.bfloat16)
-        if variant == "liger":
+        if variant.startswith("liger"):
             from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-            apply_liger_kernel_to_llama(model=model)
+            # liger-norecompute: the patch without recompute_norm_outputs (host-time A/B).
+            apply_liger_kernel_to_llama(model=model, recompute_norm_outputs=variant != "liger-norecompute")
         optimizer = make_optimizer(model, device)
         for ids in batches[:2]:
             model(input_ids=ids, labels=ids).loss.backward()

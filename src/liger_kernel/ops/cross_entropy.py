@@ -75,6 +75,15 @@ CE_PROGRAMS_PER_SM = 4
 # Load each column block one iteration ahead (register double-buffering) in both passes.
 CE_PREFETCH = True
 
+# Pass 1 keeps its running statistics per "lane": each column block is viewed as
+# (BLOCK / CE_LANE_WIDTH, CE_LANE_WIDTH) and reduced along the short axis only, which stays
+# within a thread (or a few lanes of one warp). One cross-warp reduction per row instead of
+# two per block: with one or two programs per SM (so a row's second read hits L2), the
+# shared-memory barriers of per-block reductions stalled the whole SM every block. Costs
+# one extra exp per CE_LANE_WIDTH elements (rescaling the lane sums). CE_LANE_WIDTH =
+# CE_MAX_BLOCK gives the earlier per-block statistics.
+CE_LANE_WIDTH = 8
+
 # Row splitting (see _cross_entropy_kernel): with one program per row, the row must be read
 # twice (statistics, then gradient), and at 256 KB per 128K-vocab bf16 row the second read
 # misses L2 (hundreds of rows in flight exceed its 50 MB). Rows of at least
@@ -173,6 +182,40 @@ def _block_statistics(x, cols, mask, start, safe_target, class_weight_ptr, softc
 
 
 @triton.jit
+def _lane_update(x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index,
+                 class_weight_ptr, softcap, HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr):
+    """Fold one (lanes, width) column block of raw fp32 logits ``x`` (-inf where masked)
+    into the per-lane pass-1 statistics; every reduction runs along axis 1 only.
+
+    Per lane: running max of the (capped) logits and ``sum exp(s - shift)`` relative to it
+    (shift 0 while the max is -inf), ``sum w_c s_c`` and ``sum w_c`` (label smoothing), and
+    the first arg-max of the raw logits (columns arrive in increasing order per lane, so a
+    strictly greater block maximum is the only one that replaces it).
+    """
+    if COMPUTE_ACCURACY:
+        b_best = tl.max(x, axis=1)
+        b_index = tl.min(tl.where(x == b_best[:, None], cols, 2147483647), axis=1)
+        better = b_best > lane_best
+        lane_best_index = tl.where(better, b_index, lane_best_index)
+        lane_best = tl.where(better, b_best, lane_best)
+    if HAS_SOFTCAP:
+        capped, _ = _tanh_and_sech2(x / softcap)
+        x = tl.where(mask, softcap * capped, float("-inf"))
+    new_max = tl.maximum(lane_max, tl.max(x, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    if HAS_LABEL_SMOOTHING:
+        if HAS_CLASS_WEIGHT:
+            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            lane_smooth += tl.sum(w * tl.where(mask, x, 0.0), axis=1)
+            lane_weight += tl.sum(w, axis=1)
+        else:
+            lane_smooth += tl.sum(tl.where(mask, x, 0.0), axis=1)
+    return new_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index
+
+
+@triton.jit
 def _merge_exp_sums(max_a, sum_a, max_b, sum_b):
     """Combine two ``(max, sum exp(s - max))`` pairs (each sum relative to its max, or to 0
     when that max is -inf) into one relative to the larger max."""
@@ -229,8 +272,11 @@ def _gradient_coefficients(lse, target_weight, weight_total, n_cols, label_smoot
 
 @triton.jit
 def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef, class_weight_ptr, softcap,
-                    HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dL/dx for one column block of raw fp32 logits ``x``."""
+                    HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    WITH_ONEHOT: tl.constexpr = True):
+    """dL/dx for one column block of raw fp32 logits ``x`` (or one logit, with scalar ``x``
+    and ``cols``). Without ``WITH_ONEHOT`` the target's ``- onehot_coef`` term is left out
+    (the caller stores the target's gradient separately)."""
     if HAS_SOFTCAP:
         capped, cap_slope = _tanh_and_sech2(x / softcap)
         x = softcap * capped
@@ -240,7 +286,8 @@ def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_
             grad -= uniform_coef * tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             grad -= uniform_coef
-    grad = tl.where(cols == target, grad - onehot_coef, grad)
+    if WITH_ONEHOT:
+        grad = tl.where(cols == target, grad - onehot_coef, grad)
     if HAS_SOFTCAP:
         grad = grad * cap_slope
     return grad
@@ -283,6 +330,7 @@ def _cross_entropy_kernel(
     COMPUTE_ACCURACY: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    LANE_WIDTH: tl.constexpr,
     ROW_SPLIT: tl.constexpr,
     SPLIT_POW2: tl.constexpr,
 ):
@@ -352,21 +400,27 @@ def _cross_entropy_kernel(
             target_valid = (target >= 0) & (target < n_cols)
             safe_target = tl.where(target_valid, target, 0)
             if ROW_SPLIT == 1:
-                # Pass 1: online log-sum-exp, smoothing sums, first arg-max of the raw logits.
-                # The target's logit comes from the block in registers, never a re-load:
-                # pass 2 overwrites the row in place, and another warp of this program may
-                # already be storing there (no barrier orders a later load before it).
-                running_max = float("-inf")
-                sum_exp = 0.0
-                smooth_sum = 0.0
-                weight_total = 0.0
-                best_raw = float("-inf")
-                best_index = 0
-                target_logit = 0.0
+                # The target's raw logit, read before pass 2 can overwrite the row in place
+                # (only this program writes this row, and not before pass 2).
+                target_raw = tl.load(logits_row + safe_target).to(tl.float32)
+                if HAS_SOFTCAP:
+                    capped_target, _ = _tanh_and_sech2(target_raw / softcap)
+                    target_logit = softcap * capped_target
+                else:
+                    target_logit = target_raw
+                # Pass 1: online log-sum-exp, smoothing sums and first arg-max, per lane.
+                lane_offsets = (tl.arange(0, BLOCK_SIZE // LANE_WIDTH)[:, None] * LANE_WIDTH
+                                + tl.arange(0, LANE_WIDTH)[None, :])
+                lane_max = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
+                lane_sum = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
+                lane_smooth = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
+                lane_weight = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
+                lane_best = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
+                lane_best_index = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.int32)
                 if PREFETCH:
-                    x_next = tl.load(logits_row + offsets, mask=offsets < n_cols, other=float("-inf"))
+                    x_next = tl.load(logits_row + lane_offsets, mask=lane_offsets < n_cols, other=float("-inf"))
                 for start in range(0, n_cols, BLOCK_SIZE):
-                    cols = start + offsets
+                    cols = start + lane_offsets
                     mask = cols < n_cols
                     if PREFETCH:
                         # The next block's load is issued before this block's reductions.
@@ -375,16 +429,18 @@ def _cross_entropy_kernel(
                         x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
                     else:
                         x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                    b_max, b_sum, b_target, b_smooth, b_weight, b_best_raw, b_best_index = _block_statistics(
-                        x, cols, mask, start, safe_target, class_weight_ptr, softcap, BLOCK_SIZE,
-                        HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACCURACY)
-                    running_max, sum_exp = _merge_exp_sums(running_max, sum_exp, b_max, b_sum)
-                    target_logit += b_target
-                    smooth_sum += b_smooth
-                    weight_total += b_weight
-                    if COMPUTE_ACCURACY:
-                        best_index = tl.where(b_best_raw > best_raw, b_best_index, best_index)
-                        best_raw = tl.maximum(best_raw, b_best_raw)
+                    lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index = _lane_update(
+                        x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index,
+                        class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP,
+                        COMPUTE_ACCURACY)
+                running_max = tl.max(lane_max, axis=0)
+                sum_exp = tl.sum(_rescaled_sum(lane_max, lane_sum, running_max), axis=0)
+                smooth_sum = tl.sum(lane_smooth, axis=0)
+                weight_total = tl.sum(lane_weight, axis=0)
+                best_index = 0
+                if COMPUTE_ACCURACY:
+                    best_raw = tl.max(lane_best, axis=0)
+                    best_index = tl.min(tl.where(lane_best == best_raw, lane_best_index, 2147483647), axis=0)
             else:
                 # x_part stays in the logits dtype across the exchange (half the registers of fp32).
                 p_max, p_sum, p_target, p_smooth, p_weight, p_best_raw, p_best_index = _block_statistics(
@@ -470,8 +526,17 @@ def _cross_entropy_kernel(
                             x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
                         grad = _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef,
                                                class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING,
-                                               HAS_SOFTCAP)
+                                               HAS_SOFTCAP, WITH_ONEHOT=False)
                         tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+                    if target_valid:
+                        # The loop left out the one-hot term (a compare and select per element);
+                        # the target's gradient is rewritten once, after every thread's stores
+                        # above (the barrier orders them before this one).
+                        tl.debug_barrier()
+                        target_grad = _block_gradient(target_raw, safe_target, target_valid, target, lse, prob_coef,
+                                                      onehot_coef, uniform_coef, class_weight_ptr, softcap,
+                                                      HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP)
+                        tl.store(grad_row + safe_target, target_grad.to(grad_ptr.dtype.element_ty))
                 else:
                     grad = _block_gradient(x_part.to(tl.float32), part_cols, part_mask, target, lse, prob_coef, onehot_coef,
                                            uniform_coef, class_weight_ptr, softcap, HAS_CLASS_WEIGHT,
@@ -563,6 +628,7 @@ def launch_cross_entropy_kernel(
         COMPUTE_ACCURACY=compute_accuracy,
         BLOCK_SIZE=block,
         PREFETCH=CE_PREFETCH,
+        LANE_WIDTH=min(CE_LANE_WIDTH, block),
         ROW_SPLIT=split,
         SPLIT_POW2=split_pow2,
         num_warps=num_warps,
