@@ -57,7 +57,6 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
     from liger_kernel.ops import utils
@@ -69,6 +68,7 @@ def main() -> int:
         liger_rotary_pos_emb,
     )
     from liger_kernel.transformers.recompute import recompute_norm_outputs
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run only
     dtype = torch.bfloat16
