@@ -160,3 +160,85 @@ def test_argument_keys():
     assert _argument_key(t[1:]) != _argument_key(t) or t.data_ptr() % 16 != 0
     assert _argument_key(t.bfloat16())[0] == torch.bfloat16
     assert _argument_key("a string") is NotImplemented
+
+
+# ---- The cached path's bookkeeping, on any machine: a real JITFunction whose Triton launch is
+# replaced by a stand-in compiled kernel that records what the direct launches pass.
+
+
+def _plain_kernel(X, n, alpha, BLOCK: tl.constexpr, FLAG: tl.constexpr = 7):
+    pass
+
+
+class _StandInCompiled:
+    function = "function-handle"
+    packed_metadata = "packed-metadata"
+
+    def __init__(self):
+        self.direct_calls = []
+
+    def run(self, *launch_args):
+        self.direct_calls.append(launch_args)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    kernel = triton.runtime.JITFunction(_plain_kernel)
+    compiled = _StandInCompiled()
+    triton_calls = []
+
+    def triton_run(*args, grid, warmup, **kwargs):
+        triton_calls.append((grid, args, kwargs))
+        return compiled
+
+    monkeypatch.setattr(kernel, "run", triton_run)
+    monkeypatch.setattr(utils, "is_interpreter", lambda: False)
+    monkeypatch.setattr(utils, "FAST_LAUNCH", True)
+    monkeypatch.setattr(utils, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    return kernel, compiled, triton_calls
+
+
+def test_cached_launch_passes_arguments_in_signature_order(stand_in):
+    kernel, compiled, triton_calls = stand_in
+    x = torch.zeros(64)
+    launch_kernel(kernel, (3,), x, 100, 0.5, BLOCK=32, num_warps=4)
+    assert len(triton_calls) == 1 and not compiled.direct_calls
+    launch_kernel(kernel, (5, 2), x, 100, 0.25, BLOCK=32, num_warps=4)
+    assert len(triton_calls) == 1
+    (call,) = compiled.direct_calls
+    # grid padded to 3-D, the current stream, the handles, no launch metadata or hooks, then
+    # every parameter in signature order, constexprs included (FLAG from its default).
+    assert call[:9] == (5, 2, 1, 1234, "function-handle", "packed-metadata", None, None, None)
+    assert call[9] is x and call[10:] == (100, 0.25, 32, 7)
+
+
+def test_cached_launch_keys(stand_in):
+    kernel, compiled, triton_calls = stand_in
+    x = torch.zeros(64)
+    launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32, num_warps=4)
+    launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=64, num_warps=4)  # another constexpr
+    launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32, num_warps=8)  # another option
+    launch_kernel(kernel, (1,), x, 100, 0.5, BLOCK=32, num_warps=4)  # 100 is not a multiple of 16
+    launch_kernel(kernel, (1,), x[1:], 96, 0.5, BLOCK=32, num_warps=4)  # misaligned pointer
+    launch_kernel(kernel, (1,), x.double(), 100, 0.5, BLOCK=32, num_warps=4)  # another dtype
+    assert len(triton_calls) == 6 and not compiled.direct_calls
+    launch_kernel(kernel, (1,), x, 112, -1.0, BLOCK=32, num_warps=4)  # same properties as the first
+    assert len(triton_calls) == 6 and len(compiled.direct_calls) == 1
+    launch_kernel(kernel, (1,), x, 112, -1.0, BLOCK=32, num_warps=4, FLAG=7)  # explicit default: own key
+    assert len(triton_calls) == 7
+
+
+def test_cached_launch_defers_to_triton(stand_in, monkeypatch):
+    kernel, compiled, triton_calls = stand_in
+    x = torch.zeros(64)
+    launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32)
+    monkeypatch.setattr(utils, "_launch_hooks_set", lambda: True)  # a profiler hook installed
+    launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32)
+    assert len(triton_calls) == 2 and not compiled.direct_calls
+    monkeypatch.setattr(utils, "_launch_hooks_set", lambda: False)
+    for _ in range(2):  # an argument kind without a key (a string) is never cached
+        launch_kernel(kernel, (1,), x, "text", 0.5, BLOCK=32)
+    launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32)
+    assert len(triton_calls) == 4 and len(compiled.direct_calls) == 1
