@@ -30,8 +30,11 @@ Gradient of row ``i``'s contribution with respect to ``s`` (``d_c = 1`` where ``
 ``dL/dx_c = dL/ds_c * (1 - tanh(x_c / c)**2)``.
 
 The kernel makes two passes over each row: pass 1 keeps a running max and rescaled sum
-of exponentials (online log-sum-exp), the smoothing sum and the first arg-max; pass 2
-writes the gradient, by default over the logits themselves. The loss's backward only
+of exponentials (online log-sum-exp), the smoothing sum and the first arg-max, per lane of
+:data:`CE_LANE_WIDTH` columns (merged once at the end of the row: for lanes ``l`` with
+maxima ``m_l`` and sums ``S_l``, ``lse = M + log(sum_l S_l exp(m_l - M))``, ``M = max_l m_l``);
+pass 2 writes the gradient, by default over the logits themselves, and the target's
+``- d_c`` term once after the loop. The loss's backward only
 multiplies that stored gradient by the upstream gradient (a scalar, or one value per row
 for ``"none"``), in place, skipping rows whose factor is exactly 1 (decided on the device,
 without a host sync). So the extra memory is O(N), never a second (N, V) buffer.
