@@ -591,19 +591,6 @@ def row_norm_forward_kernel(
 
 
 @triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _row_sums_pair(a, b):
-    """``(sum(a, axis=1), sum(b, axis=1))`` as one reduction: a row spread over several warps
-    is reduced through shared memory, and one two-value reduction waits at its barriers once
-    where two separate sums would wait twice."""
-    return tl.reduce((a, b), 1, _add_pairs)
-
-
-@triton.jit
 def _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """(w + offset) in fp32 for one column block, rounded as the forward used it."""
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -696,12 +683,10 @@ def row_norm_backward_kernel(
                 mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
             dy, xhat, g, xhat_w = _row_norm_grad_terms(
                 dy_raw, x_raw, X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
+            proj = _div(tl.sum(g * xhat, axis=1), n_cols)
+            dx = g - xhat * proj[:, None]
             if CENTER:
-                proj_sum, g_sum = _row_sums_pair(g * xhat, g)
-                dx = g - xhat * _div(proj_sum, n_cols)[:, None]
-                dx -= _div(g_sum, n_cols)[:, None]
-            else:
-                dx = g - xhat * _div(tl.sum(g * xhat, axis=1), n_cols)[:, None]
+                dx -= _div(tl.sum(g, axis=1), n_cols)[:, None]
             dx = dx * rstd[:, None]
             if ROUND_BY_HAND:
                 dx = _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND)
@@ -750,13 +735,8 @@ def row_norm_backward_kernel(
                 proj_acc += g * xhat
                 if CENTER:
                     g_acc += g
-            if CENTER:
-                proj_sum, g_sum = _row_sums_pair(proj_acc, g_acc)
-            else:
-                proj_sum = tl.sum(proj_acc, axis=1)
-                g_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            proj = _div(proj_sum, n_cols)
-            g_mean = _div(g_sum, n_cols)
+            proj = _div(tl.sum(proj_acc, axis=1), n_cols)
+            g_mean = _div(tl.sum(g_acc, axis=1), n_cols)
             # Pass 2: dx, and this program's partial dW/dB (its own buffer row, so the
             # read-modify-write needs no atomics; the first tile overwrites garbage).
             first = tile == pid
