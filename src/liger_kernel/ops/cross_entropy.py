@@ -68,7 +68,8 @@ from liger_kernel.ops.utils import (
 # Column block of the row loop (a power of two; tests lower it to exercise the multi-block
 # path on small vocabularies). H200, N 8192, V 128256 bf16, in-place forward
 # (scripts/ce_config_check.py, 2026-12-03): 32768 (32 warps) 1.82-1.85 ms, 16384 2.06-2.27 ms,
-# 8192 2.07-2.14 ms, for either prefetch setting and 2 or 4 programs per SM.
+# 8192 2.07-2.14 ms, for either prefetch setting and 2 or 4 programs per SM; with the per-lane
+# statistics below (run 5, tune_ce_lanes.csv): 32768 1.30 ms, 16384 1.59-1.61, 8192 1.49-1.83.
 CE_MAX_BLOCK = 32768
 
 # Programs per SM of the persistent row loop. Few resident rows per SM keep a row's
@@ -84,7 +85,9 @@ CE_PREFETCH = True
 # two per block: with one or two programs per SM (so a row's second read hits L2), the
 # shared-memory barriers of per-block reductions stalled the whole SM every block. Costs
 # one extra exp per CE_LANE_WIDTH elements (rescaling the lane sums). CE_LANE_WIDTH =
-# CE_MAX_BLOCK gives the earlier per-block statistics.
+# CE_MAX_BLOCK gives the earlier per-block statistics. H200, N 8192, V 128256 bf16, 32768-column
+# blocks, 1 or 2 programs per SM (2026-12-03, run 5): lanes of 8 or 32 1.300-1.306 ms, per-block
+# 1.42-1.43 ms (1.89 ms before the target's one-hot term moved out of the loop).
 CE_LANE_WIDTH = 8
 
 # Row splitting (see _cross_entropy_kernel): with one program per row, the row must be read
@@ -94,7 +97,7 @@ CE_LANE_WIDTH = 8
 # keep their block in registers and exchange per-block statistics: one read of the row.
 # Off by default: measured slower on the H200 (2026-12-03, N 8192, V 128256 bf16, CUDA-graph
 # timing): best split setting 2.19 ms (32768-column parts) against 1.87-1.89 ms for the
-# two-pass kernel. Each group of programs waits for its slowest part once per row, and
+# two-pass kernel (1.30 ms since its per-lane statistics, run 5). Each group of programs waits for its slowest part once per row, and
 # with one row per group in flight that latency is not hidden. Tested on the GPU either way.
 CE_SPLIT_ROWS = False
 CE_SPLIT_MIN_ROW_BYTES = 128 * 1024
