@@ -97,8 +97,9 @@ CE_LANE_WIDTH = 8
 # keep their block in registers and exchange per-block statistics: one read of the row.
 # Off by default: measured slower on the H200 (2026-12-03, N 8192, V 128256 bf16, CUDA-graph
 # timing): best split setting 2.19 ms (32768-column parts) against 1.87-1.89 ms for the
-# two-pass kernel (1.30 ms since its per-lane statistics, run 5). Each group of programs waits for its slowest part once per row, and
-# with one row per group in flight that latency is not hidden. Tested on the GPU either way.
+# two-pass kernel (1.30 ms since its per-lane statistics, run 5). Each group of programs
+# waits for its slowest part once per row, and with one row per group in flight that
+# latency is not hidden. Tested on the GPU either way.
 CE_SPLIT_ROWS = False
 CE_SPLIT_MIN_ROW_BYTES = 128 * 1024
 CE_SPLIT_BLOCK = 16384
@@ -219,14 +220,6 @@ def _lane_update(x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, la
         else:
             lane_smooth += tl.sum(tl.where(mask, x, 0.0), axis=1)
     return new_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index
-
-
-@triton.jit
-def _merge_exp_sums(max_a, sum_a, max_b, sum_b):
-    """Combine two ``(max, sum exp(s - max))`` pairs (each sum relative to its max, or to 0
-    when that max is -inf) into one relative to the larger max."""
-    new_max = tl.maximum(max_a, max_b)
-    return new_max, _rescaled_sum(max_a, sum_a, new_max) + _rescaled_sum(max_b, sum_b, new_max)
 
 
 @triton.jit

@@ -85,7 +85,11 @@ def row_launch_settings(n_cols: int, max_block: int = MAX_FUSED_BLOCK) -> tuple[
 def num_programs_for_rows(n_rows: int, device: torch.device, programs_per_sm: float = 4) -> int:
     """Grid size for a persistent kernel over ``n_rows`` rows: at most a few programs per SM
     (a fraction below 1 leaves SMs idle: fewer rows in flight, for cache experiments)."""
-    return max(1, min(n_rows, int(multiprocessor_count(device) * programs_per_sm)))
+    return _persistent_grid(n_rows, multiprocessor_count(device), programs_per_sm)
+
+
+def _persistent_grid(n_units: int, n_sms: int, programs_per_sm: float) -> int:
+    return max(1, min(n_units, int(n_sms * programs_per_sm)))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -208,12 +212,11 @@ def _argument_key(arg: object) -> object:
 class _CachedLaunch:
     """A compiled kernel and where each of its parameters comes from in a call."""
 
-    __slots__ = ("compiled", "n_positional", "keyword_names", "defaults")
+    __slots__ = ("compiled", "keyword_names", "defaults")
 
-    def __init__(self, kernel, compiled, n_positional: int, kwargs: dict) -> None:
+    def __init__(self, kernel, compiled, n_positional: int) -> None:
         self.compiled = compiled
         names = list(kernel.arg_names)
-        self.n_positional = n_positional
         # Parameters after the positional ones, in signature order: taken from the call's
         # keywords or, if absent there, the signature default.
         self.keyword_names = tuple(names[n_positional:])
@@ -266,7 +269,7 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs):
         if cached is None and hasattr(compiled, "result"):
             compiled = compiled.result()
         if cached is None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-            _LAUNCH_CACHE[key] = _CachedLaunch(kernel, compiled, len(args), kwargs)
+            _LAUNCH_CACHE[key] = _CachedLaunch(kernel, compiled, len(args))
         return compiled
     defaults = cached.defaults
     tail = [kwargs[name] if name in kwargs else defaults[name] for name in cached.keyword_names]
@@ -441,7 +444,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, tunables: tuple) -> R
         backward_num_warps = num_warps  # ignored by the interpreter, but it sizes the grid below
     n_tiles = cdiv(n_rows, block_rows)
     programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // backward_num_warps))
-    programs = max(1, min(cdiv(n_rows, backward_block_rows), n_sms * programs_per_sm))
+    programs = _persistent_grid(cdiv(n_rows, backward_block_rows), n_sms, programs_per_sm)
     # Triton's default layout gives each warp 32 threads x 8 contiguous columns; a tile row
     # narrower than all warps together puts the tile's rows into different warps.
     row_accumulator = ROW_NORM_BACKWARD_ROW_ACCUMULATOR
@@ -811,8 +814,8 @@ def _scale_rows_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
     per_row = scale.numel() != 1
     block, num_warps = row_launch_settings(n_cols, SCALE_BLOCK)
     grid = (num_programs_for_rows(n_rows, x.device, SCALE_PROGRAMS_PER_SM),)
-    launch_kernel(_scale_in_place_kernel, grid, x, scale, n_rows, n_cols, x.stride(0), PER_ROW=per_row, BLOCK=block,
-                                 ROUND_BY_HAND=is_interpreter(), num_warps=num_warps)
+    launch_kernel(_scale_in_place_kernel, grid, x, scale, n_rows, n_cols, x.stride(0), PER_ROW=per_row,
+                  BLOCK=block, ROUND_BY_HAND=is_interpreter(), num_warps=num_warps)
 
 
 @liger_custom_op("scale_in_place", mutates_args=("x",))
