@@ -285,18 +285,32 @@ def test_property(lead, hidden, mode, offset, in_place, eps, dtype):
     assert_close(dw, dw_ref, dtype=dtype, scale=4, msg="dw")
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("prefetch,triton_partials_sum", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("backward_tile", [1, 4096])
 @pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 1027), (1, 64)])
-def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backward_tile):
+def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backward_tile, triton_partials_sum):
     """The backward's tunables change only the schedule, never the result: prefetch on and off,
-    one row per tile and several (with a ragged last tile), all against float64 truth."""
+    one row per tile and several (with a ragged last tile), the partial dW summed by the
+    Triton kernel or by torch, all against float64 truth."""
     import liger_kernel.ops.utils as ops_utils
 
     monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_PREFETCH", prefetch)
     monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_TILE_ELEMENTS", backward_tile)
+    monkeypatch.setattr(ops_utils, "ROW_NORM_TRITON_PARTIALS_SUM", triton_partials_sum)
     x, w, dy = make_inputs(n_rows, hidden, torch.float32)
     _, dx, dw = run(liger, x, w, dy, EPS, 0.0, "llama", True)
     _, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, 0.0)
     assert_close(dx, dx_ref, scale=4, msg="dx")
     assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")
+
+
+@pytest.mark.parametrize("elements_per_thread", [None, 4, 32])
+@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 4096)])
+def test_forward_warps_change_nothing(monkeypatch, n_rows, hidden, elements_per_thread):
+    """ROW_NORM_FORWARD_ELEMENTS_PER_THREAD picks the forward's warps: the output is bitwise the same."""
+    import liger_kernel.ops.utils as ops_utils
+
+    x, w, _ = make_inputs(n_rows, hidden, torch.bfloat16)
+    y_default = LigerRMSNormFunction.apply(x, w, EPS)
+    monkeypatch.setattr(ops_utils, "ROW_NORM_FORWARD_ELEMENTS_PER_THREAD", elements_per_thread)
+    torch.testing.assert_close(LigerRMSNormFunction.apply(x, w, EPS), y_default, rtol=0, atol=0)

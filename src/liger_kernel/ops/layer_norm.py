@@ -23,7 +23,8 @@ Backward, with g = dy * w::
     db = sum_rows(dy)
 
 dw and db are reduced deterministically in fp32: each of P persistent programs sums its
-own rows into row p of a (P, H) buffer, then the P rows are summed in a fixed order.
+own rows into row p of a (P, H) buffer, then one more launch sums the P rows of both
+buffers in a fixed order and rounds them to the parameters' dtypes.
 
 ``in_place=True`` (the default, as for RMSNorm) lets the backward write dx over dy's
 storage when dy is contiguous with x's dtype, so the backward allocates no N x H buffer
@@ -58,6 +59,7 @@ from liger_kernel.ops.utils import (
     row_norm_forward_kernel,
     row_norm_grad_buffers,
     row_norm_launch,
+    sum_partials,
 )
 
 
@@ -92,6 +94,7 @@ def _launch_args(launch, backward: bool) -> dict:
     if backward:
         args["PREFETCH"] = launch.backward_prefetch
         args["ROW_ACCUMULATOR"] = launch.backward_row_accumulator
+        args["PAIRED_SUMS"] = launch.paired_sums
     return args
 
 
@@ -149,9 +152,9 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), 0.0,
         HAS_BIAS=has_bias, **_launch_args(launch, backward=True),
     )
-    # Summed separately: two returns must not share storage (custom-op aliasing rule).
-    grad_weight = partials[0].sum(dim=0).to(weight.dtype).view(weight.shape)
-    grad_bias = partials[1].sum(dim=0).to(bias.dtype).view(bias.shape) if has_bias else weight.new_empty((0,))
+    sums = sum_partials(partials, [weight.dtype, bias.dtype] if has_bias else [weight.dtype])
+    grad_weight = sums[0].view(weight.shape)
+    grad_bias = sums[1].view(bias.shape) if has_bias else weight.new_empty((0,))
     return grad_x, grad_weight, grad_bias
 
 

@@ -47,7 +47,8 @@ Launch: the kernels are the row-normalisation kernels shared with LayerNorm
 (``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``, ``CENTER=False``).
 Forward: one program per tile of rows (narrow rows are packed several to a tile), one
 read of X and W, one write of y and rstd. Backward: persistent programs, one read of dy,
-X, W and rstd, one write of dx and of the (P, H) partial dW. Rows wider than
+X, W and rstd, one write of dx and of the (P, H) partial dW, which one more launch sums over P (fixed
+order) into dW of W's dtype. Rows wider than
 ``utils.MAX_FUSED_BLOCK`` are processed in column blocks (two passes over the row,
 the second mostly from L2) instead of one register tile. Tile sizes, warps and programs
 per SM are the ``ROW_NORM_*`` tunables in ``utils.row_norm_launch``.
@@ -74,6 +75,7 @@ from liger_kernel.ops.utils import (
     row_norm_forward_kernel,
     row_norm_grad_buffers,
     row_norm_launch,
+    sum_partials,
 )
 
 CASTING_MODES = {
@@ -170,17 +172,18 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
     if n_rows == 0 or n_cols == 0:
         return grad_x, torch.zeros_like(weight)
     launch = row_norm_launch(n_rows, n_cols, x.device)
-    dw_partial = torch.empty((launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
+    partials = torch.empty((1, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
+    dw_partial = partials[0]
     launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
         dy_rows, x_rows, weight.contiguous(), rstd, rstd, dx_rows, dw_partial, dw_partial,
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
         CENTER=False, HAS_BIAS=False, CASTING=casting,
         FUSED=launch.fused, BLOCK_ROWS=launch.backward_block_rows, BLOCK_COLS=launch.block_cols,
         ROUND_BY_HAND=launch.round_by_hand, PREFETCH=launch.backward_prefetch,
-        ROW_ACCUMULATOR=launch.backward_row_accumulator,
+        ROW_ACCUMULATOR=launch.backward_row_accumulator, PAIRED_SUMS=launch.paired_sums,
         num_warps=launch.backward_num_warps,
     )
-    grad_weight = dw_partial.sum(dim=0).to(weight.dtype).view(weight.shape)
+    (grad_weight,) = sum_partials(partials, [weight.dtype])
     return grad_x, grad_weight
 
 

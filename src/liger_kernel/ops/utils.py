@@ -365,6 +365,18 @@ ROW_NORM_BACKWARD_PREFETCH = True
 # thread holds whole columns). H200, llama-1b e2e (8192 x 2048, tiles of 4 x 2048 over
 # 2 x 8 warps): 77.6 -> 41.1 us per backward with the accumulator. True/False force one.
 ROW_NORM_BACKWARD_ROW_ACCUMULATOR = None
+# Forward warps: None keeps row_launch_settings' choice for the tile (8 warps, 16 elements
+# per thread, for a 4096-element tile); a number sets the elements each thread holds.
+ROW_NORM_FORWARD_ELEMENTS_PER_THREAD = None
+# LayerNorm backward: sum(g * xhat) and sum(g) as one two-value reduction, so a row spread
+# over several warps waits at one set of shared-memory barriers instead of two.
+ROW_NORM_PAIRED_SUMS = True
+# The backward's (P, H) fp32 partials are summed by one Triton launch per backward
+# (dW and dB together, rounded straight to the parameter dtype); False uses torch's
+# ``partials.sum(0).to(dtype)``, two launches per parameter, for A/B measurements.
+ROW_NORM_TRITON_PARTIALS_SUM = True
+PARTIALS_SUM_BLOCK_ROWS = 32
+PARTIALS_SUM_BLOCK_COLS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +394,7 @@ class RowNormLaunch:
     round_by_hand: bool  # interpreter only: see _row_norm_round
     backward_prefetch: bool
     backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the tunable)
+    paired_sums: bool  # LayerNorm backward's two row sums as one reduction
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLaunch:
@@ -394,7 +407,7 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device) -> RowNormLa
     tunables = (MAX_FUSED_BLOCK, MAX_BLOCK, ROW_NORM_TILE_ELEMENTS, ROW_NORM_MAX_ROWS_PER_TILE,
                 ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD, ROW_NORM_WARPS_PER_SM, ROW_NORM_MAX_PROGRAMS_PER_SM,
                 ROW_NORM_BACKWARD_TILE_ELEMENTS, ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR,
-                is_interpreter())
+                ROW_NORM_FORWARD_ELEMENTS_PER_THREAD, ROW_NORM_PAIRED_SUMS, is_interpreter())
     return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), tunables)
 
 
@@ -437,9 +450,9 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, tunables: tuple) -> R
     block_rows = rows_per_tile(ROW_NORM_TILE_ELEMENTS)
     backward_block_rows = rows_per_tile(ROW_NORM_BACKWARD_TILE_ELEMENTS)
     _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
-    backward_tile = backward_block_rows * block_cols
-    backward_num_warps = triton.next_power_of_2(
-        max(1, min(32, backward_tile // (32 * ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD))))
+    if ROW_NORM_FORWARD_ELEMENTS_PER_THREAD is not None and not is_interpreter():
+        num_warps = _warps_for(block_rows * block_cols, ROW_NORM_FORWARD_ELEMENTS_PER_THREAD)
+    backward_num_warps = _warps_for(backward_block_rows * block_cols, ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD)
     if is_interpreter():
         backward_num_warps = num_warps  # ignored by the interpreter, but it sizes the grid below
     n_tiles = cdiv(n_rows, block_rows)
@@ -451,7 +464,13 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, tunables: tuple) -> R
     if row_accumulator is None:
         row_accumulator = backward_block_rows > 1 and block_cols < 256 * backward_num_warps
     return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
-                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator))
+                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator),
+                         ROW_NORM_PAIRED_SUMS)
+
+
+def _warps_for(tile_elements: int, elements_per_thread: int) -> int:
+    """Warps (a power of two in [1, 32]) giving each thread about ``elements_per_thread``."""
+    return triton.next_power_of_2(max(1, min(32, tile_elements // (32 * elements_per_thread))))
 
 
 @triton.jit
@@ -594,6 +613,22 @@ def row_norm_forward_kernel(
 
 
 @triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _row_sums(a, b, PAIRED: tl.constexpr):
+    """``(sum(a, axis=1), sum(b, axis=1))``; with PAIRED as one two-value reduction (a row
+    spread over several warps is reduced through shared memory: one wait at the barriers
+    instead of two)."""
+    if PAIRED:
+        return tl.reduce((a, b), 1, _add_pairs)
+    else:
+        return tl.sum(a, axis=1), tl.sum(b, axis=1)
+
+
+@triton.jit
 def _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """(w + offset) in fp32 for one column block, rounded as the forward used it."""
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -632,7 +667,7 @@ def row_norm_backward_kernel(
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
     CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-    PREFETCH: tl.constexpr, ROW_ACCUMULATOR: tl.constexpr,
+    PREFETCH: tl.constexpr, ROW_ACCUMULATOR: tl.constexpr, PAIRED_SUMS: tl.constexpr,
 ):
     """Persistent programs: program p handles tiles p, p + P, ... and writes its fp32 partial
     dW (and dB) to row p of DW_PARTIAL (DB_PARTIAL), so the final sum over P is fixed-order.
@@ -686,10 +721,11 @@ def row_norm_backward_kernel(
                 mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
             dy, xhat, g, xhat_w = _row_norm_grad_terms(
                 dy_raw, x_raw, X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
-            proj = _div(tl.sum(g * xhat, axis=1), n_cols)
-            dx = g - xhat * proj[:, None]
             if CENTER:
-                dx -= _div(tl.sum(g, axis=1), n_cols)[:, None]
+                proj_sum, g_sum = _row_sums(g * xhat, g, PAIRED_SUMS)
+                dx = g - xhat * _div(proj_sum, n_cols)[:, None] - _div(g_sum, n_cols)[:, None]
+            else:
+                dx = g - xhat * _div(tl.sum(g * xhat, axis=1), n_cols)[:, None]
             dx = dx * rstd[:, None]
             if ROUND_BY_HAND:
                 dx = _row_norm_round(dx, DX.dtype.element_ty, ROUND_BY_HAND)
@@ -738,8 +774,13 @@ def row_norm_backward_kernel(
                 proj_acc += g * xhat
                 if CENTER:
                     g_acc += g
-            proj = _div(tl.sum(proj_acc, axis=1), n_cols)
-            g_mean = _div(tl.sum(g_acc, axis=1), n_cols)
+            if CENTER:
+                proj_sum, g_sum = _row_sums(proj_acc, g_acc, PAIRED_SUMS)
+            else:
+                proj_sum = tl.sum(proj_acc, axis=1)
+                g_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            proj = _div(proj_sum, n_cols)
+            g_mean = _div(g_sum, n_cols)
             # Pass 2: dx, and this program's partial dW/dB (its own buffer row, so the
             # read-modify-write needs no atomics; the first tile overwrites garbage).
             first = tile == pid
@@ -766,6 +807,50 @@ def row_norm_backward_kernel(
                     db_ptrs = DB_PARTIAL + partial_row + cols
                     db_prev = tl.where(first, 0.0, tl.load(db_ptrs, mask=col_mask, other=0.0))
                     tl.store(db_ptrs, db_prev + tl.sum(dy, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(PARTIALS, OUT_FIRST, OUT_SECOND, n_partials, n_cols,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """``OUT[c] = sum_p PARTIALS[k, p, c]`` for a column block; program axis 1 picks k
+    (0: OUT_FIRST, 1: OUT_SECOND). The order of the sum is fixed by the tile shape alone, so
+    the result does not depend on scheduling."""
+    which = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    base = PARTIALS + which.to(tl.int64) * n_partials * n_cols
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_ROWS):
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(base + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        total = _row_norm_round(total, OUT_FIRST.dtype.element_ty, ROUND_BY_HAND)
+        tl.store(OUT_FIRST + cols, total.to(OUT_FIRST.dtype.element_ty), mask=col_mask)
+    else:
+        total = _row_norm_round(total, OUT_SECOND.dtype.element_ty, ROUND_BY_HAND)
+        tl.store(OUT_SECOND + cols, total.to(OUT_SECOND.dtype.element_ty), mask=col_mask)
+
+
+def sum_partials(partials: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """Column sums of a norm backward's per-program partials, one new (H,) tensor per slab.
+
+    ``partials`` is (K, P, H) fp32 with K = len(dtypes) in {1, 2} (dW, and dB for
+    LayerNorm); slab k is summed over its P rows in fp32 and rounded once to ``dtypes[k]``.
+    The outputs never share storage (a custom op's returns must not alias).
+    """
+    n_slabs, n_partials, n_cols = partials.shape
+    if n_slabs != len(dtypes) or n_slabs not in (1, 2):
+        raise ValueError(f"partials of shape {tuple(partials.shape)} need 1 or 2 dtypes, got {len(dtypes)}")
+    if not ROW_NORM_TRITON_PARTIALS_SUM:
+        return [partials[k].sum(dim=0).to(dtypes[k]) for k in range(n_slabs)]
+    outs = [torch.empty(n_cols, dtype=dtype, device=partials.device) for dtype in dtypes]
+    grid = (cdiv(n_cols, PARTIALS_SUM_BLOCK_COLS), n_slabs)
+    launch_kernel(_sum_partials_kernel, grid, partials, outs[0], outs[-1], n_partials, n_cols,
+                  BLOCK_ROWS=PARTIALS_SUM_BLOCK_ROWS, BLOCK_COLS=PARTIALS_SUM_BLOCK_COLS,
+                  ROUND_BY_HAND=is_interpreter(), num_warps=4)
+    return outs
 
 
 # ======================================================================================
