@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,flce_overlap,rms_norm,layer_norm,norm_forward,norm_forward_warps,"
-                                              "norm_accumulator,norm_reductions,rope "
+                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_forward_warps,"
+                                              "norm_backward,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
     p.add_argument("--emit-best", type=Path, default=None,
@@ -218,10 +218,20 @@ def main(argv: list[str] | None = None) -> int:
                        spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("norm_forward_warps"):
             # Forward warps per 4096-element tile (None: row_launch_settings' 8 warps).
+            for op, name in (("rms_norm", "ROW_NORM_FORWARD_ELEMENTS_PER_THREAD"),
+                             ("layer_norm", "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD")):
+                spec = specs[op]
+                _sweep(op, ops_utils, {name: (None, 8, 32, 64)},
+                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+        if want("norm_backward"):
+            # Backward tile, elements per thread and resident warps, for each norm (full mode).
             for op in ("rms_norm", "layer_norm"):
                 spec = specs[op]
-                _sweep(op, ops_utils, {"ROW_NORM_FORWARD_ELEMENTS_PER_THREAD": (None, 4, 8, 32)},
-                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+                _sweep(op, ops_utils, {
+                    "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
+                    "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (8, 16, 32),
+                    "ROW_NORM_WARPS_PER_SM": (32, 64),
+                }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("norm_reductions"):
             # The partials sum (one Triton launch vs torch's sum + cast per parameter) and
             # LayerNorm's paired row sums, at the target and the llama-1b e2e shapes.
@@ -272,12 +282,6 @@ def main(argv: list[str] | None = None) -> int:
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("flce_breakdown"):
             flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
-        if want("flce_overlap"):
-            # dW update on a second stream beside the dX GEMM, at the target and e2e (D 2048) shapes.
-            spec = specs["fused_linear_cross_entropy"]
-            for shape in (spec.gpu_shapes[0], {**spec.gpu_shapes[0], "D": 2048}):
-                _sweep(f"fused_linear_cross_entropy D={shape['D']}", flce_ops,
-                       {"FLCE_OVERLAP_WEIGHT_GRAD": (False, True)}, spec, shape, dtype, device, cfg, writer, deadline)
         if want("flce"):
             spec = specs["fused_linear_cross_entropy"]
             _sweep("fused_linear_cross_entropy", flce_ops, {

@@ -480,6 +480,10 @@ def test_peak_memory_within_floor():
     x = torch.randn(n_rows, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(vocab, hidden, device=DEVICE) * 0.02).to(torch.bfloat16).requires_grad_()
     target = torch.randint(0, vocab, (n_rows,), device=DEVICE)
+    # A first call on a small problem: cuBLAS's per-process workspace (32 MiB on Hopper)
+    # is allocated by the first GEMM and would otherwise count as this op's memory.
+    liger_fused_linear_cross_entropy(x[:256], weight[:4096], target[:256] % 4096).backward()
+    x.grad = weight.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -504,25 +508,3 @@ def test_past_int32_rows_times_vocab():
     ref = F.cross_entropy(x[tail].double() @ weight.double().t(), target[tail], reduction="none")
     assert_loss_close(loss[tail], ref, 1)
 
-
-@pytest.mark.gpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_grad_on_side_stream_matches(monkeypatch, dtype):
-    """FLCE_OVERLAP_WEIGHT_GRAD (dW update on a second stream) gives the same loss and
-    gradients as the one-stream loop, over several chunks, with micro-batch accumulation."""
-    monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda rows, cols, size: min(128, max(1, rows)))
-    x, weight, bias, target = make_problem(1000 + 7, 256, 5003, dtype, True)
-    results = []
-    for overlap in (False, True):
-        monkeypatch.setattr(flce_ops, "FLCE_OVERLAP_WEIGHT_GRAD", overlap)
-        xs = x.detach().clone().requires_grad_()
-        w = weight.detach().clone().requires_grad_()
-        b = bias.detach().clone().requires_grad_()
-        losses = [liger_fused_linear_cross_entropy(xs, w, target, bias=b) for _ in range(2)]
-        sum(losses).backward()
-        results.append((torch.stack(losses), xs.grad, w.grad, b.grad))
-    # The same GEMMs in the same order per output; a race on the reused chunk buffer would
-    # show as errors of the gradients' own size, far above these bounds.
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
-    for name, plain, overlapped in zip(("dX", "dW", "dB"), results[0][1:], results[1][1:]):
-        assert_grad_close(overlapped, plain, dtype, name)

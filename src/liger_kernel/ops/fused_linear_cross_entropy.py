@@ -53,10 +53,6 @@ from liger_kernel.ops.utils import (
 # while giving the dW update a reduction depth C of a few hundred rows.
 FLCE_CHUNK_BUDGET_BYTES = 96 * 2**20
 
-# Run each chunk's dW update on a second CUDA stream, concurrently with its dX GEMM (both
-# only read the chunk's gradient). Off: the experiment of run 6 decides (see NOTES.md).
-FLCE_OVERLAP_WEIGHT_GRAD = False
-
 # Chunks of at least this many rows are rounded down to a multiple of it (tensor-core
 # friendly GEMM shapes); smaller ones to a power of two.
 FLCE_CHUNK_ROW_MULTIPLE = 128
@@ -138,11 +134,6 @@ def _accumulate_grad_weight(
         grad_weight[start:stop].add_(grad_chunk[:, start:stop].t() @ x_chunk)
 
 
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
 def _chunked_loss_and_grads(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -193,16 +184,10 @@ def _chunked_loss_and_grads(
             chunk_rows = chunk_rows_for(n_rows, n_cols, x.element_size())
             chunk_buffer = torch.empty((chunk_rows, n_cols), device=device, dtype=x.dtype)
             weight_t = weight.t()
-            overlap = (FLCE_OVERLAP_WEIGHT_GRAD and device.type == "cuda" and grad_input_needed
-                       and grad_weight_needed and not torch.compiler.is_compiling())
-            if overlap:
-                main_stream, side_stream = torch.cuda.current_stream(device), _side_stream(device)
             for start in range(0, n_rows, chunk_rows):
                 stop = min(start + chunk_rows, n_rows)
                 x_chunk = x[start:stop]
                 logits = chunk_buffer[: stop - start]
-                if overlap:
-                    main_stream.wait_stream(side_stream)  # the last dW update has read the buffer
                 if bias is None:
                     torch.matmul(x_chunk, weight_t, out=logits)
                 else:
@@ -226,18 +211,12 @@ def _chunked_loss_and_grads(
                     compute_grad,
                     compute_accuracy,
                 )
-                if overlap:
-                    side_stream.wait_stream(main_stream)
-                    with torch.cuda.stream(side_stream):
-                        _accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
                 if grad_input_needed:
                     torch.matmul(logits, weight, out=grad_input[start:stop])
-                if grad_weight_needed and not overlap:
+                if grad_weight_needed:
                     _accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
                 if grad_bias_needed:
                     grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
-            if overlap:
-                main_stream.wait_stream(side_stream)
             del chunk_buffer
     if grad_weight_needed and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)

@@ -108,7 +108,7 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0 and n_cols > 0:
-        launch = row_norm_launch(n_rows, n_cols, x.device)
+        launch = row_norm_launch(n_rows, n_cols, x.device, center=True)
         w = weight.contiguous()
         launch_kernel(row_norm_forward_kernel, (launch.n_tiles,),
             rows, w, bias.contiguous() if bias is not None else w, y, mean, rstd,
@@ -144,7 +144,7 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
     if n_rows == 0 or n_cols == 0:
         grad_bias = torch.zeros_like(bias) if has_bias else weight.new_empty((0,))
         return grad_x, torch.zeros_like(weight), grad_bias
-    launch = row_norm_launch(n_rows, n_cols, x.device)
+    launch = row_norm_launch(n_rows, n_cols, x.device, center=True)
     n_partials = 2 if has_bias else 1
     partials = torch.empty((n_partials, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
     launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
