@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
                                               "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_forward_warps,"
-                                              "norm_backward,norm_accumulator,norm_reductions,rope "
+                                              "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
     p.add_argument("--emit-best", type=Path, default=None,
@@ -229,18 +229,24 @@ def main(argv: list[str] | None = None) -> int:
                 spec = specs[op]
                 _sweep(op, ops_utils, {
                     "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
-                    "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (8, 16, 32),
-                    "ROW_NORM_WARPS_PER_SM": (32, 64),
+                    "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (16, 32),
+                    "ROW_NORM_WARPS_PER_SM": (16, 32),
                 }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("norm_partials"):
+            # Tile of the partials-sum launch (its grid is one program per column block).
+            for op in ("rms_norm", "layer_norm"):
+                spec = specs[op]
+                _sweep(op, ops_utils, {"PARTIALS_SUM_BLOCK_COLS": (16, 32, 64), "PARTIALS_SUM_BLOCK_ROWS": (16, 64)},
+                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("norm_reductions"):
-            # The partials sum (one Triton launch vs torch's sum + cast per parameter) and
-            # LayerNorm's paired row sums, at the target and the llama-1b e2e shapes.
-            for op, grid in (("rms_norm", {"ROW_NORM_TRITON_PARTIALS_SUM": (True, False)}),
-                             ("layer_norm", {"ROW_NORM_TRITON_PARTIALS_SUM": (True, False),
-                                             "ROW_NORM_PAIRED_SUMS": (True, False)})):
+            # The partials sum (one Triton launch vs torch's sum + cast per parameter), at the
+            # target and the llama-1b e2e shapes. (LayerNorm's two backward row sums as one
+            # two-value tl.reduce were measured in run 6 too: 0.221 vs 0.193 ms; removed.)
+            for op in ("rms_norm", "layer_norm"):
                 spec = specs[op]
                 for shape in spec.gpu_shapes[:2]:
-                    _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils, grid,
+                    _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils,
+                           {"ROW_NORM_TRITON_PARTIALS_SUM": (True, False)},
                            spec, shape, dtype, device, cfg, writer, deadline)
         if want("norm_accumulator"):
             # The backward's dW accumulation for multi-row tiles (None: chosen per shape).

@@ -94,7 +94,6 @@ def _launch_args(launch, backward: bool) -> dict:
     if backward:
         args["PREFETCH"] = launch.backward_prefetch
         args["ROW_ACCUMULATOR"] = launch.backward_row_accumulator
-        args["PAIRED_SUMS"] = launch.paired_sums
     return args
 
 

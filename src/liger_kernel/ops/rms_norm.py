@@ -180,7 +180,7 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
         CENTER=False, HAS_BIAS=False, CASTING=casting,
         FUSED=launch.fused, BLOCK_ROWS=launch.backward_block_rows, BLOCK_COLS=launch.block_cols,
         ROUND_BY_HAND=launch.round_by_hand, PREFETCH=launch.backward_prefetch,
-        ROW_ACCUMULATOR=launch.backward_row_accumulator, PAIRED_SUMS=launch.paired_sums,
+        ROW_ACCUMULATOR=launch.backward_row_accumulator,
         num_warps=launch.backward_num_warps,
     )
     (grad_weight,) = sum_partials(partials, [weight.dtype])

@@ -373,9 +373,6 @@ ROW_NORM_BACKWARD_ROW_ACCUMULATOR = None
 # None 0.0775 ms, 32 0.0726.
 ROW_NORM_FORWARD_ELEMENTS_PER_THREAD = None
 ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD = 32
-# LayerNorm backward: sum(g * xhat) and sum(g) as one two-value reduction, so a row spread
-# over several warps waits at one set of shared-memory barriers instead of two.
-ROW_NORM_PAIRED_SUMS = True
 # The backward's (P, H) fp32 partials are summed by one Triton launch per backward
 # (dW and dB together, rounded straight to the parameter dtype); False uses torch's
 # ``partials.sum(0).to(dtype)``, two launches per parameter, for A/B measurements.
@@ -399,7 +396,6 @@ class RowNormLaunch:
     round_by_hand: bool  # interpreter only: see _row_norm_round
     backward_prefetch: bool
     backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the tunable)
-    paired_sums: bool  # LayerNorm backward's two row sums as one reduction
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool = False) -> RowNormLaunch:
@@ -413,7 +409,7 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool
     tunables = (MAX_FUSED_BLOCK, MAX_BLOCK, ROW_NORM_TILE_ELEMENTS, ROW_NORM_MAX_ROWS_PER_TILE,
                 ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD, ROW_NORM_WARPS_PER_SM, ROW_NORM_MAX_PROGRAMS_PER_SM,
                 ROW_NORM_BACKWARD_TILE_ELEMENTS, ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR,
-                ROW_NORM_PAIRED_SUMS, is_interpreter())
+                is_interpreter())
     forward_elements_per_thread = (ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD if center
                                    else ROW_NORM_FORWARD_ELEMENTS_PER_THREAD)
     return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), forward_elements_per_thread, tunables)
@@ -473,8 +469,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
     if row_accumulator is None:
         row_accumulator = backward_block_rows > 1 and block_cols < 256 * backward_num_warps
     return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
-                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator),
-                         ROW_NORM_PAIRED_SUMS)
+                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator))
 
 
 def _warps_for(tile_elements: int, elements_per_thread: int) -> int:
@@ -622,22 +617,6 @@ def row_norm_forward_kernel(
 
 
 @triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _row_sums(a, b, PAIRED: tl.constexpr):
-    """``(sum(a, axis=1), sum(b, axis=1))``; with PAIRED as one two-value reduction (a row
-    spread over several warps is reduced through shared memory: one wait at the barriers
-    instead of two)."""
-    if PAIRED:
-        return tl.reduce((a, b), 1, _add_pairs)
-    else:
-        return tl.sum(a, axis=1), tl.sum(b, axis=1)
-
-
-@triton.jit
 def _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """(w + offset) in fp32 for one column block, rounded as the forward used it."""
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -676,7 +655,7 @@ def row_norm_backward_kernel(
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
     CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-    PREFETCH: tl.constexpr, ROW_ACCUMULATOR: tl.constexpr, PAIRED_SUMS: tl.constexpr,
+    PREFETCH: tl.constexpr, ROW_ACCUMULATOR: tl.constexpr,
 ):
     """Persistent programs: program p handles tiles p, p + P, ... and writes its fp32 partial
     dW (and dB) to row p of DW_PARTIAL (DB_PARTIAL), so the final sum over P is fixed-order.
@@ -743,8 +722,8 @@ def row_norm_backward_kernel(
             dy, xhat, g, xhat_w = _row_norm_grad_terms(
                 dy_raw, x_raw, X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
             if CENTER:
-                proj_sum, g_sum = _row_sums(g * xhat, g, PAIRED_SUMS)
-                dx = g - xhat * _div(proj_sum, n_cols)[:, None] - _div(g_sum, n_cols)[:, None]
+                dx = (g - xhat * _div(tl.sum(g * xhat, axis=1), n_cols)[:, None]
+                      - _div(tl.sum(g, axis=1), n_cols)[:, None])
             else:
                 dx = g - xhat * _div(tl.sum(g * xhat, axis=1), n_cols)[:, None]
             dx = dx * rstd[:, None]
@@ -795,13 +774,8 @@ def row_norm_backward_kernel(
                 proj_acc += g * xhat
                 if CENTER:
                     g_acc += g
-            if CENTER:
-                proj_sum, g_sum = _row_sums(proj_acc, g_acc, PAIRED_SUMS)
-            else:
-                proj_sum = tl.sum(proj_acc, axis=1)
-                g_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            proj = _div(proj_sum, n_cols)
-            g_mean = _div(g_sum, n_cols)
+            proj = _div(tl.sum(proj_acc, axis=1), n_cols)
+            g_mean = _div(tl.sum(g_acc, axis=1), n_cols)
             # Pass 2: dx, and this program's partial dW/dB (its own buffer row, so the
             # read-modify-write needs no atomics; the first tile overwrites garbage).
             first = tile == pid
