@@ -224,14 +224,16 @@ def main(argv: list[str] | None = None) -> int:
                 _sweep(op, ops_utils, {name: (None, 8, 32, 64)},
                        spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("norm_backward"):
-            # Backward tile, elements per thread and resident warps, for each norm (full mode).
+            # Backward tile, elements per thread and resident warps, for each norm (full mode),
+            # at the target shape and the llama-1b e2e shape.
             for op in ("rms_norm", "layer_norm"):
                 spec = specs[op]
-                _sweep(op, ops_utils, {
-                    "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
-                    "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (16, 32),
-                    "ROW_NORM_WARPS_PER_SM": (16, 32),
-                }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+                for shape in spec.gpu_shapes[:2]:
+                    _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils, {
+                        "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
+                        "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (16, 32),
+                        "ROW_NORM_WARPS_PER_SM": (16, 32),
+                    }, spec, shape, dtype, device, cfg, writer, deadline)
         if want("norm_partials"):
             # Tile of the partials-sum launch (its grid is one program per column block).
             for op in ("rms_norm", "layer_norm"):
