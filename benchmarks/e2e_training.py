@@ -45,6 +45,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import device_name, versions  # noqa: E402
 
+
+def _liger_patched_modules(model: torch.nn.Module) -> list[str]:
+    from liger_kernel.transformers import liger_patched_modules
+
+    return liger_patched_modules(model)
+
 # Agreement of the two loss curves: each loss is an fp32 mean over B*T tokens of values
 # computed from bf16 logits, and the variants differ only in bf16 rounding order (and in
 # the weights drifting apart by those roundings through AdamW). One bf16 unit roundoff
@@ -280,7 +286,7 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
         peak_gib = math.nan  # no allocator statistics on CPU
     tokens = sum(ids.numel() for ids in timed)
     result = VariantResult(
-        patched_modules=sum(1 for m in model.modules() if "forward" in vars(m)),
+        patched_modules=len(_liger_patched_modules(model)),
         variant=variant,
         tokens_per_s=tokens / elapsed,
         peak_gib=peak_gib,

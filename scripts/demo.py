@@ -215,7 +215,9 @@ def make_callbacks(device: torch.device):
 
 def count_liger_patched_modules(model: torch.nn.Module) -> int:
     """Modules whose ``forward`` was replaced on the instance or whose class is a Liger one."""
-    return sum(1 for m in model.modules() if "forward" in vars(m) or type(m).__name__.startswith("Liger"))
+    from liger_kernel.transformers import liger_patched_modules
+
+    return len(liger_patched_modules(model))
 
 
 def train_once(name: str, model, train_set, eval_set, args, device: torch.device, use_liger: bool) -> RunResult:

@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before liger_kernel imports triton
 
 import transformers  # noqa: E402
+from liger_kernel.transformers import liger_patched_modules  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     HfArgumentParser,
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
 
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set)
     result = trainer.train()
-    patched = sum(1 for m in model.modules() if "forward" in vars(m))
+    patched = len(liger_patched_modules(model))
     print(f"train_loss {result.training_loss:.4f} over {result.global_step} steps; "
           f"{patched} modules run Liger forwards")
     if training_args.save_strategy != "no":

@@ -92,7 +92,7 @@ def main() -> int:
                 print(f"round {row['round']} {variant:12s}: {row['tokens_per_s']:9,.0f} tokens/s, "
                       f"peak {row['peak_gib']:6.2f} GiB, last loss {row['last_loss']:.4f}", flush=True)
                 del model, optimizer
-                gc.collect()  # patched instances hold reference cycles (their bound forwards)
+                gc.collect()
     if args.csv is not None:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -8,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from liger_kernel.transformers import AutoLigerKernelForCausalLM, revert_liger_kernel  # noqa: E402
+from liger_kernel.transformers.monkey_patch import _instance_patched  # noqa: E402
 from tests.transformers.model_configs import VOCAB, build_model, random_batch, tiny_config  # noqa: E402
 from tests.utils import DEVICE  # noqa: E402
 
@@ -27,18 +28,18 @@ def test_from_config_patches_and_passes_hf_kwargs_through():
     model = AutoLigerKernelForCausalLM.from_config(config, rope=False, swiglu=False, dtype=torch.float64)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.dtype == torch.float64  # the HF kwarg reached transformers
-    assert "forward" in vars(model) and "forward" in vars(model.model.layers[0].self_attn.q_norm)
-    assert "forward" not in vars(model.model.layers[0].mlp)  # swiglu=False honoured
-    assert "forward" not in vars(model.model.layers[0].self_attn)  # rope=False honoured
+    assert _instance_patched(model) and _instance_patched(model.model.layers[0].self_attn.q_norm)
+    assert not _instance_patched(model.model.layers[0].mlp)  # swiglu=False honoured
+    assert not _instance_patched(model.model.layers[0].self_attn)  # rope=False honoured
     other = build_model("qwen3")
-    assert "forward" not in vars(other)  # no class-level side effect
+    assert not _instance_patched(other)  # no class-level side effect
 
 
 def test_from_pretrained_round_trip(tmp_path):
     reference = build_model("mistral", seed=4)
     reference.save_pretrained(tmp_path)
     model = AutoLigerKernelForCausalLM.from_pretrained(tmp_path, geglu=True).to(DEVICE)  # geglu: not a mistral option
-    assert "forward" in vars(model) and "forward" in vars(model.model.layers[1].mlp)
+    assert _instance_patched(model) and _instance_patched(model.model.layers[1].mlp)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, atol=0, rtol=0, msg=name)
     batch = random_batch(VOCAB, seed=4)

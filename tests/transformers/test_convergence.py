@@ -53,6 +53,7 @@ import torch
 pytest.importorskip("transformers")
 
 from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: E402
+from liger_kernel.transformers.monkey_patch import _instance_patched
 from tests.transformers.model_configs import (  # noqa: E402
     MODEL_TYPES,
     build_model,
@@ -135,7 +136,7 @@ def _check(model_type: str, dtype: torch.dtype):
     reference_start = copy.deepcopy(reference) if FULL_SHAPES else None
     truth_model = _float64_copy(reference) if FULL_SHAPES else None  # same start, float64
     _apply_liger_kernel_to_instance(patched)
-    assert "forward" in vars(patched)
+    assert _instance_patched(patched)
 
     batches = [random_batch(config.vocab_size, BATCH, SEQ, seed=100 + i, device=DEVICE) for i in range(4)]
     eval_batch = random_batch(config.vocab_size, BATCH, SEQ, seed=999, device=DEVICE)

@@ -27,7 +27,10 @@ from liger_kernel.transformers import (  # noqa: E402
     revert_liger_kernel,
 )
 from liger_kernel.transformers.families import FAMILIES  # noqa: E402
-from liger_kernel.transformers.monkey_patch import with_global_overrides  # noqa: E402
+from liger_kernel.transformers.monkey_patch import (
+    _instance_patched,
+    with_global_overrides,  # noqa: E402
+)
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
 from tests.transformers.model_configs import (  # noqa: E402
     MODEL_TYPES,
@@ -53,7 +56,7 @@ def _modeling(model_type: str):
 
 
 def _bound_in_instance(module, name: str = "forward") -> bool:
-    return name in vars(module)
+    return _instance_patched(module, name)
 
 
 def test_every_family_has_a_generated_apply_function():
@@ -331,3 +334,39 @@ def test_peft_wrapper_is_unwrapped():
     _apply_liger_kernel_to_instance(lora)
     assert _bound_in_instance(model.model.norm)
     assert _bound_in_instance(model)
+
+
+def test_instance_patch_makes_no_reference_cycle():
+    """A patched model is freed by ``del`` alone (reference counting), as an unpatched HF
+    model is: no method stored on the instance points back at it. Otherwise its (GPU)
+    memory would stay until the garbage collector's next full pass."""
+    import gc
+    import weakref
+
+    model = build_model("llama")
+    _apply_liger_kernel_to_instance(model)
+    assert _bound_in_instance(model) and _bound_in_instance(model.model.norm)
+    assert _bound_in_instance(model.model.layers[0].mlp) and _bound_in_instance(model.model.layers[0].self_attn)
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_instance_patch_keeps_class_names_and_reuses_classes():
+    first, second = build_model("llama"), build_model("llama")
+    hf_norm_class = type(first.model.norm)
+    for model in (first, second):
+        _apply_liger_kernel_to_instance(model)
+    assert type(first).__name__ == "LlamaForCausalLM" and isinstance(first, type(build_model("llama")))
+    assert type(first.model.norm).__name__ == "LlamaRMSNorm" and isinstance(first.model.norm, hf_norm_class)
+    assert type(first.model.norm) is type(second.model.norm)  # one cached subclass per patch
+    assert type(first) is type(second)
+    # Patching again neither nests subclasses nor changes the result.
+    patched_class = type(first.model.norm)
+    _apply_liger_kernel_to_instance(first)
+    assert type(first.model.norm) is patched_class
+    assert "forward" not in vars(first) and "forward" not in vars(first.model.norm)

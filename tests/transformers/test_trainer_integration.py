@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from liger_kernel.transformers import trainer_integration  # noqa: E402
-from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance  # noqa: E402
+from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance, _instance_patched  # noqa: E402
 from tests.transformers.model_configs import VOCAB, build_model, random_batch  # noqa: E402
 from tests.utils import DEVICE  # noqa: E402
 
@@ -79,8 +79,8 @@ def test_use_liger_kernel_patches_and_trains_like_unpatched(tmp_path):
     model = copy.deepcopy(reference)
     _, ref_losses = _train(reference, tmp_path / "ref")
     trainer, losses = _train(model, tmp_path / "liger", use_liger_kernel=True)
-    assert "forward" in vars(model) and "forward" in vars(model.model.norm)
-    assert "forward" not in vars(reference)
+    assert _instance_patched(model) and _instance_patched(model.model.norm)
+    assert not _instance_patched(reference)
     assert len(losses) == STEPS
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)
 
@@ -102,9 +102,9 @@ def test_liger_kernel_config_is_passed_through(tmp_path):
     model = build_model("gemma", seed=0)
     _train(model, tmp_path, use_liger_kernel=True,
            liger_kernel_config={"rope": False, "geglu": False, "swiglu": True})  # swiglu: dropped for gemma
-    assert "forward" in vars(model.model.norm)
-    assert "forward" not in vars(model.model.layers[0].mlp)
-    assert "forward" not in vars(model.model.layers[0].self_attn)
+    assert _instance_patched(model.model.norm)
+    assert not _instance_patched(model.model.layers[0].mlp)
+    assert not _instance_patched(model.model.layers[0].self_attn)
 
 
 def test_peft_lora_model(tmp_path):
@@ -116,5 +116,5 @@ def test_peft_lora_model(tmp_path):
     _, ref_losses = _train(reference, tmp_path / "ref")
     _, losses = _train(lora, tmp_path / "liger", use_liger_kernel=True)
     inner = lora.get_base_model()
-    assert "forward" in vars(inner) and "forward" in vars(inner.model.layers[0].mlp)
+    assert _instance_patched(inner) and _instance_patched(inner.model.layers[0].mlp)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)

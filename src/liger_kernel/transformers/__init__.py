@@ -26,6 +26,7 @@ _EXPORTS = {
     "apply_liger_kernel_to_phi3": "monkey_patch",
     "revert_liger_kernel": "monkey_patch",
     "liger_kernel_patched": "monkey_patch",
+    "liger_patched_modules": "monkey_patch",
     "_apply_liger_kernel": "monkey_patch",
     "_apply_liger_kernel_to_instance": "monkey_patch",
     "MODEL_TYPE_TO_APPLY_LIGER_FN": "monkey_patch",

@@ -15,9 +15,11 @@ Two modes:
   ``cross_entropy=True``, the class's ``loss_function``. Everything replaced is recorded and
   :func:`revert_liger_kernel` / :func:`liger_kernel_patched` put the originals back.
 * ``model=<instance>`` patches that instance in place and leaves every other instance alone:
-  every norm and MLP of the model gets the Liger ``forward`` bound into its ``__dict__``
-  (``types.MethodType``, which survives ``copy.deepcopy`` and works with gradient
-  checkpointing and ``generate()``), the model gets the fused-loss forward. Rotary embeddings
+  every norm and MLP of the model is switched to a cached subclass of its own class that
+  defines the Liger ``forward`` (same class name, so HF's name-based checks still hold; it
+  survives ``copy.deepcopy`` and works with gradient checkpointing and ``generate()``, and,
+  unlike a method stored in the instance ``__dict__``, makes no reference cycle that would
+  keep a deleted model's memory alive), the model gets the fused-loss forward. Rotary embeddings
   are applied by a module-level function the attention forward looks up in its globals, so
   for an instance each attention module gets a copy of its own ``forward`` whose globals map
   the rotary name to the Liger kernel (decorators such as ``deprecate_kwarg`` are rebuilt
@@ -49,6 +51,7 @@ __all__ = [
     "_apply_liger_kernel",
     "_apply_liger_kernel_to_instance",
     "liger_kernel_patched",
+    "liger_patched_modules",
     "revert_liger_kernel",
 ] + [f"apply_liger_kernel_to_{model_type}" for model_type in FAMILIES]
 
@@ -251,9 +254,48 @@ def _liger_mlp_class(model_type: str, hf_class: type) -> type:
 # ----------------------------------------------------------------------------------------
 # Instance patching.
 # ----------------------------------------------------------------------------------------
+# (original class, sorted method overrides) -> the subclass instances are switched to.
+_INSTANCE_CLASSES: dict[tuple[type, tuple[tuple[str, Callable], ...]], type] = {}
+
+
 def _bind(module: nn.Module, name: str, fn: Callable) -> None:
-    # Stored in the instance __dict__: deepcopy re-binds it to the copy, the class is untouched.
-    object.__setattr__(module, name, types.MethodType(fn, module))
+    """Make this one ``module`` use ``fn`` as its method ``name``.
+
+    The instance's class is switched to a cached subclass that defines the method and keeps
+    the original's ``__name__``/``__qualname__``/``__module__`` (HF matches classes by name:
+    ``_init_weights``, ``config.architectures``), so ``isinstance`` holds, other instances
+    and the original class are untouched, and ``copy.deepcopy`` keeps the patch. A bound
+    method stored in the instance ``__dict__`` would instead form a reference cycle (module ->
+    method -> module): a patched model would then outlive ``del model`` until the garbage
+    collector's next full pass, holding its GPU memory.
+    """
+    cls = type(module)
+    own = cls.__dict__.get("_liger_overrides")
+    base = cls.__bases__[0] if own is not None else cls
+    overrides = {**(own or {}), name: fn}
+    key = (base, tuple(sorted(overrides.items(), key=lambda item: item[0])))
+    patched = _INSTANCE_CLASSES.get(key)
+    if patched is None:
+        namespace = {**overrides, "_liger_overrides": overrides, "__module__": base.__module__,
+                     "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+        patched = type(base.__name__, (base,), namespace)
+        _INSTANCE_CLASSES[key] = patched
+    if name in vars(module):
+        logger.warning("%s has an instance-level %r (e.g. an accelerate hook) that shadows the Liger patch",
+                       base.__name__, name)
+    module.__class__ = patched
+
+
+def _instance_patched(module: nn.Module, name: str = "forward") -> bool:
+    """Whether ``_bind`` gave this module its own ``name``."""
+    return name in type(module).__dict__.get("_liger_overrides", {})
+
+
+def liger_patched_modules(model: nn.Module) -> list[str]:
+    """Names of ``model``'s submodules (``""`` for the model itself) that run a Liger forward:
+    patched on the instance, or built from a Liger class by a class-level patch."""
+    return [name for name, module in model.named_modules()
+            if _instance_patched(module) or type(module).__name__.startswith("Liger")]
 
 
 def _patch_norm_instance(module: nn.Module, spec: NormSpec) -> None:
