@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_forward_warps,"
+                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -223,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
                 spec = specs[op]
                 _sweep(op, ops_utils, {name: (None, 8, 32, 64)},
                        spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+        if want("layer_norm_forward"):
+            # LayerNorm forward: rows per tile (the tile is shared with RMSNorm) by elements per thread.
+            spec = specs["layer_norm"]
+            _sweep("layer_norm", ops_utils, {"ROW_NORM_TILE_ELEMENTS": (4096, 8192),
+                                             "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (32, 64)},
+                   spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("norm_backward"):
             # Backward tile, elements per thread and resident warps, for each norm (full mode),
             # at the target shape and the llama-1b e2e shape.
