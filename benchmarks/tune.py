@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_forward_warps,norm_forward_persistent,"
-                                              "layer_norm_forward,"
+                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -223,13 +222,6 @@ def main(argv: list[str] | None = None) -> int:
                              ("layer_norm", "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD")):
                 spec = specs[op]
                 _sweep(op, ops_utils, {name: (None, 8, 32, 64)},
-                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
-        if want("norm_forward_persistent"):
-            # Persistent forward programs (None: one program per tile), each norm with its warps.
-            for op, prefix in (("rms_norm", "ROW_NORM_"), ("layer_norm", "ROW_NORM_CENTERED_")):
-                spec = specs[op]
-                _sweep(op, ops_utils, {f"{prefix}FORWARD_PROGRAMS_PER_SM": (None, 2, 4, 8),
-                                       f"{prefix}FORWARD_ELEMENTS_PER_THREAD": (None, 32)},
                        spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("layer_norm_forward"):
             # LayerNorm forward: rows per tile (the tile is shared with RMSNorm) by elements per thread.

@@ -288,21 +288,3 @@ def test_in_place_must_be_bool():
     x, w, b, _ = make_inputs(3, 8, torch.float32)
     with pytest.raises(TypeError, match="in_place"):
         LigerLayerNormFunction.apply(x, w, b, EPS, 1)
-
-
-@pytest.mark.parametrize("elements_per_thread,programs_per_sm", [(None, None), (64, None), (32, 1), (8, 0.5)])
-@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 4096), (1000 + 7, 64)])
-def test_forward_launch_variants_change_nothing(monkeypatch, n_rows, hidden, elements_per_thread, programs_per_sm):
-    """LayerNorm's forward warps and persistent grid (its own tunables) change the schedule
-    only: y, mean and rstd are bitwise the same."""
-    import liger_kernel.ops.utils as ops_utils
-    from liger_kernel.ops.layer_norm import layer_norm_forward
-
-    x, w, b, _ = make_inputs(n_rows, hidden, torch.bfloat16, bias=True)
-    expected = layer_norm_forward(x, w, b, 1e-5)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD", elements_per_thread)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_CENTERED_FORWARD_PROGRAMS_PER_SM", programs_per_sm)
-    launch = ops_utils.row_norm_launch(n_rows, hidden, torch.device(DEVICE), center=True)
-    assert launch.forward_persistent is (programs_per_sm is not None)
-    for got, want, name in zip(layer_norm_forward(x, w, b, 1e-5), expected, ("y", "mean", "rstd")):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)

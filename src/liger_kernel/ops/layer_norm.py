@@ -91,8 +91,6 @@ def _launch_args(launch, backward: bool) -> dict:
         BLOCK_COLS=launch.block_cols, ROUND_BY_HAND=launch.round_by_hand,
         num_warps=launch.backward_num_warps if backward else launch.num_warps,
     )
-    if not backward:
-        args["PERSISTENT"] = launch.forward_persistent
     if backward:
         args["PREFETCH"] = launch.backward_prefetch
         args["ROW_ACCUMULATOR"] = launch.backward_row_accumulator
@@ -111,7 +109,7 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if n_rows > 0 and n_cols > 0:
         launch = row_norm_launch(n_rows, n_cols, x.device, center=True)
         w = weight.contiguous()
-        launch_kernel(row_norm_forward_kernel, (launch.forward_programs,),
+        launch_kernel(row_norm_forward_kernel, (launch.n_tiles,),
             rows, w, bias.contiguous() if bias is not None else w, y, mean, rstd,
             n_rows, n_cols, rows.stride(0), y.stride(0),
             eps, 0.0,

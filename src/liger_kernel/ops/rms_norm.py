@@ -138,13 +138,13 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0 and n_cols > 0:
         launch = row_norm_launch(n_rows, n_cols, x.device)
-        launch_kernel(row_norm_forward_kernel, (launch.forward_programs,),
+        launch_kernel(row_norm_forward_kernel, (launch.n_tiles,),
             rows, weight.contiguous(), rows, y, rstd, rstd,  # no bias, no mean: unused pointers
             n_rows, n_cols, rows.stride(0), y.stride(0),
             eps, offset,
             CENTER=False, HAS_BIAS=False, CASTING=casting,
             FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
-            ROUND_BY_HAND=launch.round_by_hand, PERSISTENT=launch.forward_persistent,
+            ROUND_BY_HAND=launch.round_by_hand,
             num_warps=launch.num_warps,
         )
     return y.view(x.shape), rstd

@@ -383,10 +383,6 @@ ROW_NORM_BACKWARD_ROW_ACCUMULATOR = None
 # None 0.0775 ms, 32 0.0726.
 ROW_NORM_FORWARD_ELEMENTS_PER_THREAD = None
 ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD = 32
-# Forward grid for whole rows: None gives one program per tile; a number gives that many
-# persistent programs per SM, each loading its next tile before reducing the current one.
-ROW_NORM_FORWARD_PROGRAMS_PER_SM = None
-ROW_NORM_CENTERED_FORWARD_PROGRAMS_PER_SM = None
 # The backward's (P, H) fp32 partials are summed by one Triton launch per backward
 # (dW and dB together, rounded straight to the parameter dtype); False uses torch's
 # ``partials.sum(0).to(dtype)``, two launches per parameter, for A/B measurements.
@@ -407,9 +403,7 @@ class RowNormLaunch:
     num_warps: int  # forward
     backward_num_warps: int
     fused: bool  # the whole row fits one tile (single pass over registers)
-    n_tiles: int  # forward tiles
-    forward_persistent: bool  # forward programs stride over the tiles (whole rows only)
-    forward_programs: int  # forward grid: n_tiles, or the persistent programs
+    n_tiles: int  # forward grid: one program per tile
     backward_programs: int  # backward grid: persistent programs striding over the tiles
     round_by_hand: bool  # interpreter only: see _row_norm_round
     backward_prefetch: bool
@@ -428,11 +422,9 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool
                 ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD, ROW_NORM_WARPS_PER_SM, ROW_NORM_MAX_PROGRAMS_PER_SM,
                 ROW_NORM_BACKWARD_TILE_ELEMENTS, ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS, ROW_NORM_BACKWARD_TILE_ROWS,
                 ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR, is_interpreter())
-    if center:
-        forward = (ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD, ROW_NORM_CENTERED_FORWARD_PROGRAMS_PER_SM)
-    else:
-        forward = (ROW_NORM_FORWARD_ELEMENTS_PER_THREAD, ROW_NORM_FORWARD_PROGRAMS_PER_SM)
-    return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), *forward, tunables)
+    forward_elements_per_thread = (ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD if center
+                                   else ROW_NORM_FORWARD_ELEMENTS_PER_THREAD)
+    return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), forward_elements_per_thread, tunables)
 
 
 def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torch.Tensor) -> bool:
@@ -462,7 +454,7 @@ def row_norm_grad_buffers(grad_output: torch.Tensor, x: torch.Tensor,
 
 @functools.lru_cache(maxsize=1024)
 def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_thread: int | None,
-                     forward_programs_per_sm: float | None, tunables: tuple) -> RowNormLaunch:
+                     tunables: tuple) -> RowNormLaunch:
     block_cols, _ = row_launch_settings(n_cols)
     fused = block_cols >= n_cols
 
@@ -482,8 +474,6 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
     if is_interpreter():
         backward_num_warps = num_warps  # ignored by the interpreter, but it sizes the grid below
     n_tiles = cdiv(n_rows, block_rows)
-    forward_persistent = fused and forward_programs_per_sm is not None
-    forward_programs = _persistent_grid(n_tiles, n_sms, forward_programs_per_sm) if forward_persistent else n_tiles
     programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // backward_num_warps))
     programs = _persistent_grid(cdiv(n_rows, backward_block_rows), n_sms, programs_per_sm)
     # Triton's default layout gives each warp 32 threads x 8 contiguous columns; a tile row
@@ -492,7 +482,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
     if row_accumulator is None:
         row_accumulator = backward_block_rows > 1 and block_cols < 256 * backward_num_warps
     return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
-                         forward_persistent, forward_programs, programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator))
+                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator))
 
 
 def _warps_for(tile_elements: int, elements_per_thread: int) -> int:
@@ -574,69 +564,33 @@ def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offse
 
 
 @triton.jit
-def _row_norm_forward_tile(x_raw, rows64, row_mask, cols, col_mask, X, W, B, Y, MEAN, RSTD, n_cols, y_row_stride,
-                           eps, offset, CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
-                           ROUND_BY_HAND: tl.constexpr):
-    """A loaded tile of whole rows: statistics, then y; stores y, rstd (and mean)."""
-    mask = row_mask[:, None] & col_mask[None, :]
-    xc = x_raw.to(tl.float32)
-    if CENTER:
-        mean = _div(tl.sum(xc, axis=1), n_cols)
-        xc = tl.where(mask, xc - mean[:, None], 0.0)
-        tl.store(MEAN + rows64, mean, mask=row_mask)
-    rstd = _row_norm_rstd(tl.sum(_row_norm_square(xc, X.dtype.element_ty, CASTING, ROUND_BY_HAND), axis=1),
-                          n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
-    _row_norm_scale_store(Y + rows64[:, None] * y_row_stride + cols[None, :], X, W, B, cols, col_mask, mask, xc,
-                          rstd, offset, HAS_BIAS, CASTING, ROUND_BY_HAND)
-    tl.store(RSTD + rows64, rstd, mask=row_mask)
-
-
-@triton.jit
 def row_norm_forward_kernel(
     X, W, B, Y, MEAN, RSTD,
     n_rows, n_cols, x_row_stride, y_row_stride,
     eps, offset,
     CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
-    """Statistics, then y, for tiles of BLOCK_ROWS rows; stores rstd (and mean).
-
-    One program per tile, or (PERSISTENT, whole rows only) programs striding over the tiles
-    that issue the next tile's load before the current tile's row reductions, so the
-    reductions' shared-memory round trips overlap memory traffic within each program.
-    """
+    """One program per tile of BLOCK_ROWS rows: statistics, then y; stores rstd (and mean)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    x_rows = X + rows64[:, None] * x_row_stride
+    y_rows = Y + rows64[:, None] * y_row_stride
+    mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
     if FUSED:
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
-        if PERSISTENT:
-            pid = tl.program_id(0)
-            n_programs = tl.num_programs(0)
-            rows64 = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-            next_x = tl.load(X + rows64[:, None] * x_row_stride + cols[None, :],
-                             mask=(rows64 < n_rows)[:, None] & col_mask[None, :], other=0.0)
-            for tile in tl.range(pid, tl.cdiv(n_rows, BLOCK_ROWS), n_programs):
-                rows64 = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-                x_raw = next_x
-                ahead = rows64 + n_programs * BLOCK_ROWS
-                next_x = tl.load(X + ahead[:, None] * x_row_stride + cols[None, :],
-                                 mask=(ahead < n_rows)[:, None] & col_mask[None, :], other=0.0)
-                _row_norm_forward_tile(x_raw, rows64, rows64 < n_rows, cols, col_mask, X, W, B, Y, MEAN, RSTD,
-                                       n_cols, y_row_stride, eps, offset, CENTER, HAS_BIAS, CASTING, ROUND_BY_HAND)
-        else:
-            rows64 = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-            row_mask = rows64 < n_rows
-            x_raw = tl.load(X + rows64[:, None] * x_row_stride + cols[None, :],
-                            mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-            _row_norm_forward_tile(x_raw, rows64, row_mask, cols, col_mask, X, W, B, Y, MEAN, RSTD,
-                                   n_cols, y_row_stride, eps, offset, CENTER, HAS_BIAS, CASTING, ROUND_BY_HAND)
+        mask = row_mask[:, None] & col_mask[None, :]
+        xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CENTER:
+            mean = _div(tl.sum(xc, axis=1), n_cols)
+            xc = tl.where(mask, xc - mean[:, None], 0.0)
+        rstd = _row_norm_rstd(tl.sum(_row_norm_square(xc, X.dtype.element_ty, CASTING, ROUND_BY_HAND), axis=1),
+                              n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
+        _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
+                              HAS_BIAS, CASTING, ROUND_BY_HAND)
     else:
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        x_rows = X + rows64[:, None] * x_row_stride
-        y_rows = Y + rows64[:, None] * y_row_stride
-        mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         # Pass 1: statistics over column blocks. LayerNorm merges per-block (mean, M2)
         # pairs (Chan et al.), which avoids the cancellation of E[x^2] - E[x]^2.
         m2 = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -670,9 +624,9 @@ def row_norm_forward_kernel(
                 xc = tl.where(mask, xc - mean[:, None], 0.0)
             _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
                                   HAS_BIAS, CASTING, ROUND_BY_HAND)
-        tl.store(RSTD + rows64, rstd, mask=row_mask)
-        if CENTER:
-            tl.store(MEAN + rows64, mean, mask=row_mask)
+    tl.store(RSTD + rows64, rstd, mask=row_mask)
+    if CENTER:
+        tl.store(MEAN + rows64, mean, mask=row_mask)
 
 
 @triton.jit
