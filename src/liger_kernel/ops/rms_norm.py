@@ -47,10 +47,10 @@ Launch: the kernels are the row-normalisation kernels shared with LayerNorm
 (``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``, ``CENTER=False``).
 Forward: one program per tile of rows (narrow rows are packed several to a tile), one
 read of X and W, one write of y and rstd. Backward: persistent programs, one read of dy,
-X, W and rstd, one write of dx and of the (P, H) partial dW, which one more launch sums over P (fixed
-order) into dW of W's dtype. Rows wider than
-``utils.MAX_FUSED_BLOCK`` are processed in column blocks (two passes over the row,
-the second mostly from L2) instead of one register tile. Tile sizes, warps and programs
+X, W and rstd, one write of dx and of the (P, H) partial dW, which one more launch sums
+over P (fixed order) into dW of W's dtype. Rows wider than ``utils.MAX_FUSED_BLOCK`` are
+processed in column blocks (two passes over the row, the second mostly from L2) instead
+of one register tile. Tile sizes, warps and programs
 per SM are the ``ROW_NORM_*`` tunables in ``utils.row_norm_launch``.
 """
 

@@ -378,7 +378,8 @@ ROW_NORM_BACKWARD_ROW_ACCUMULATOR = None
 # Forward warps: None keeps row_launch_settings' choice for the tile (8 warps, 16 elements
 # per thread, for a 4096-element tile); a number sets the elements each thread holds.
 # LayerNorm (CENTER) has its own: its two dependent row reductions (mean, then the centred
-# variance) each cross every warp of the row, so fewer warps per row pay off there.
+# variance) each cross every warp of the row, so fewer warps per row pay off there. Only
+# whole-row tiles use it (rows wider than MAX_FUSED_BLOCK keep the heuristic).
 # H200, 16384 x 4096 bf16 forward (run 6): RMSNorm None 0.0703 ms, 32 0.0721; LayerNorm
 # None 0.0775 ms, 32 0.0726.
 ROW_NORM_FORWARD_ELEMENTS_PER_THREAD = None
@@ -468,7 +469,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
     backward_block_rows = rows_per_tile(min(ROW_NORM_BACKWARD_TILE_ELEMENTS, max(
         ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS, ROW_NORM_BACKWARD_TILE_ROWS * block_cols)))
     _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
-    if forward_elements_per_thread is not None and not is_interpreter():
+    if forward_elements_per_thread is not None and fused and not is_interpreter():
         num_warps = _warps_for(block_rows * block_cols, forward_elements_per_thread)
     backward_num_warps = _warps_for(backward_block_rows * block_cols, ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD)
     if is_interpreter():
