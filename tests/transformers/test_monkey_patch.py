@@ -370,3 +370,31 @@ def test_instance_patch_keeps_class_names_and_reuses_classes():
     _apply_liger_kernel_to_instance(first)
     assert type(first.model.norm) is patched_class
     assert "forward" not in vars(first) and "forward" not in vars(first.model.norm)
+
+
+def test_instance_patch_runs_inside_an_accelerate_hook():
+    """A model dispatched by accelerate (its hooks wrap ``forward`` on the instance) gets the
+    Liger forwards inside the hooks: the hook still runs, and so does the patched code."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    calls = []
+
+    class Recorder(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(type(module).__name__)
+            return args, kwargs
+
+    reference = build_model("llama")
+    model = copy.deepcopy(reference)
+    hooks.add_hook_to_module(model, Recorder())
+    hooks.add_hook_to_module(model.model.norm, Recorder())
+    _apply_liger_kernel_to_instance(model)
+    assert _bound_in_instance(model) and _bound_in_instance(model.model.norm)
+    batch = random_batch(VOCAB, seed=7)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    loss, grads = loss_and_grads(model, batch)
+    assert calls == ["LlamaForCausalLM", "LlamaRMSNorm"]  # both hooks ran, once each
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
+    assert model._old_forward.__func__ is type(model).forward  # the hook calls the Liger forward

@@ -280,10 +280,16 @@ def _bind(module: nn.Module, name: str, fn: Callable) -> None:
                      "__qualname__": base.__qualname__, "__doc__": base.__doc__}
         patched = type(base.__name__, (base,), namespace)
         _INSTANCE_CLASSES[key] = patched
-    if name in vars(module):
-        logger.warning("%s has an instance-level %r (e.g. an accelerate hook) that shadows the Liger patch",
-                       base.__name__, name)
     module.__class__ = patched
+    if name in vars(module):
+        if name == "forward" and "_old_forward" in vars(module) and getattr(module, "_hf_hook", None) is not None:
+            # An accelerate hook (device_map dispatch, offload) calls module._old_forward
+            # between its pre- and post-forward: route that call to the patched method. (The
+            # hook's own partial already holds the module in a cycle.)
+            module._old_forward = types.MethodType(fn, module)
+        else:
+            logger.warning("%s has an instance-level %r that shadows the Liger patch; it keeps that one",
+                           base.__name__, name)
 
 
 def _instance_patched(module: nn.Module, name: str = "forward") -> bool:
