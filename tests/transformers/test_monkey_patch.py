@@ -398,3 +398,22 @@ def test_instance_patch_runs_inside_an_accelerate_hook():
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
     assert model._old_forward.__func__ is type(model).forward  # the hook calls the Liger forward
+
+
+def test_liger_patched_modules_lists_instance_and_class_level_patches():
+    from liger_kernel.transformers import liger_patched_modules
+
+    model = build_model("llama")
+    assert liger_patched_modules(model) == []
+    _apply_liger_kernel_to_instance(model)
+    names = set(liger_patched_modules(model))
+    layers = model.config.num_hidden_layers
+    assert {"", "model.norm", "model.layers.0.mlp", "model.layers.0.self_attn"} <= names
+    assert len(names) == 1 + 1 + layers * 4  # model, final norm; per layer 2 norms, MLP, attention
+    with liger_kernel_patched("llama"):
+        built = build_model("llama")
+        class_names = set(liger_patched_modules(built))
+    assert {"", "model.norm", "model.layers.0.input_layernorm", "model.layers.0.mlp"} <= class_names
+    assert "model.layers.0.self_attn" not in class_names  # class-level RoPE swaps a function, not a forward
+    # Reverting restores the class's forward; the Liger modules built meanwhile stay.
+    assert "" not in liger_patched_modules(built) and "model.norm" in liger_patched_modules(built)

@@ -298,10 +298,14 @@ def _instance_patched(module: nn.Module, name: str = "forward") -> bool:
 
 
 def liger_patched_modules(model: nn.Module) -> list[str]:
-    """Names of ``model``'s submodules (``""`` for the model itself) that run a Liger forward:
-    patched on the instance, or built from a Liger class by a class-level patch."""
+    """Names of ``model``'s submodules (``""`` for the model itself) whose ``forward`` is Liger
+    code: patched on the instance, built from a Liger class, or of a class whose ``forward`` a
+    class-level patch replaced. (A class-level RoPE patch swaps the modeling module's rotary
+    function, not a forward: attention modules are listed only when patched on the instance.)"""
+    class_level = (liger_causal_lm_forward, liger_experts_forward)
     return [name for name, module in model.named_modules()
-            if _instance_patched(module) or type(module).__name__.startswith("Liger")]
+            if _instance_patched(module) or type(module).__name__.startswith("Liger")
+            or getattr(type(module), "forward", None) in class_level]
 
 
 def _patch_norm_instance(module: nn.Module, spec: NormSpec) -> None:
