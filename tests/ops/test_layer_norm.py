@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 from liger_kernel.ops.utils import MAX_FUSED_BLOCK
-from tests.utils import DEVICE, assert_close, rel_error, shapes
+from tests.utils import DEVICE, TOLERANCES, assert_close, rel_error, shapes
 
 SHAPES = shapes(
     small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (1, 1027), (3, 1027), (37, 1027),
@@ -60,15 +60,23 @@ def double(t):
     return t.double() if t is not None else None
 
 
-def check_fp32(ours, truth, n_rows, shift_scale=1.0, rstd_max=1.0):
+def check_fp32(ours, truth, n_rows, shift_scale=1.0, rstd_max=1.0, allowances=None):
+    """fp32 results against float64 truth. ``allowances`` (one tensor or None per output,
+    shaped like it) widen the bound per element, for rows whose conditioning no fp32 kernel
+    can beat (see test_property)."""
     names = ("y", "dx", "dw", "db")
     # dx sums over a row, dw/db over all rows: fp32 error grows with the reduction length.
     # dx = r * (g - mean(g) - xhat * mean(g * xhat)) cancels O(|g|) terms, so its fp32 error
     # is ~ulp * r * |g|: rows with a tiny spread (large rstd r) get a proportionally wider bound.
     scales = [s * shift_scale for s in (1, 4 * max(1.0, rstd_max), max(4, n_rows ** 0.5), max(4, n_rows ** 0.5))]
-    for name, a, t, scale in zip(names, ours, truth, scales):
+    for name, a, t, scale, extra in zip(names, ours, truth, scales, allowances or (None,) * 4):
         if t is None:
             assert a is None
+            continue
+        if extra is not None:
+            atol, rtol = (v * scale for v in TOLERANCES[torch.float32])
+            excess = (a.double() - t).abs() - (atol + rtol * t.abs() + extra.double())
+            assert bool((excess <= 0).all()), f"{name}: {int((excess > 0).sum())} elements off by up to {excess.max():.3e}"
             continue
         assert_close(a, t, dtype=torch.float32, scale=scale, msg=name)
 
@@ -239,7 +247,13 @@ def test_property(lead, hidden, bias, shift, eps, dtype):
     if dtype == torch.float32:
         # The fp32 row mean is only good to ~ulp(shift), which limits x - mean (see above).
         rstd_max = float((x.double().var(-1, unbiased=False) + eps).rsqrt().max())
-        check_fp32(ours, truth, n_rows, shift_scale=1 + abs(shift) / 10, rstd_max=rstd_max)
+        # The same ~ulp(|x|) error of x - mean is multiplied by rstd in xhat: a row whose
+        # spread is near sqrt(eps) (two nearly equal values at hidden 2, say) has y, dx and dw
+        # off by ~1e-4 to 1e-3 in any fp32 kernel, torch's included. Each output may also err
+        # up to twice torch's fp32 error, element by element.
+        torch_fp32 = run(torch_layer_norm, x, w, b, dy, eps)
+        allowances = [None if r is None else 2 * (r.double() - t).abs() for r, t in zip(torch_fp32, truth)]
+        check_fp32(ours, truth, n_rows, shift_scale=1 + abs(shift) / 10, rstd_max=rstd_max, allowances=allowances)
         return
     # Low precision: one rounding of y and dx (fp32 inside), dw/db rounded after an fp32 sum.
     for name, a, t, scale in zip(("y", "dx", "dw", "db"), ours, truth, (1, 2, 2, 2)):
