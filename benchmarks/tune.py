@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import sys
 import time
@@ -154,11 +155,47 @@ def flce_chunk_breakdown(chunk_rows: Iterable[int], device: torch.device, cfg: T
         torch.cuda.empty_cache()
 
 
+def flce_chunk_loss_kernel(settings: list[dict[str, Any]], device: torch.device, cfg: TimingConfig,
+                           writer: csv.DictWriter, deadline: float) -> None:
+    """The loss kernel alone on one fused-linear-cross-entropy chunk (384 x 128256 bf16,
+    N 8192's chunk at the 96 MiB budget) and on a whole N 8192 batch, per CE setting: the
+    chunk has fewer rows than the GPU holds programs, so its best launch may differ."""
+    from liger_kernel.ops import cross_entropy as ce_ops
+
+    v = 128256
+    for rows in (384, 8192):
+        logits = torch.randn(rows, v, device=device, dtype=torch.bfloat16)
+        grad = torch.empty_like(logits)  # out of place: every timed call sees the same logits
+        target = torch.randint(0, v, (rows,), device=device)
+        loss, z_loss, correct = (torch.empty(rows, device=device) for _ in range(3))
+        ce_den, z_den, _ = ce_ops.mean_denominators(target, None, -100, v)
+        floor_ms = 3 * logits.numel() * logits.element_size() / 4.27e9  # read twice, write once
+        for setting in settings:
+            if time.perf_counter() > deadline:
+                print("flce_chunk_loss_kernel: time limit reached, rest skipped", flush=True)
+                return
+            old = _set(ce_ops, setting)
+            try:
+                ms = _time_component(functools.partial(
+                    ce_ops.launch_cross_entropy_kernel, logits, grad, target, None, None, loss, z_loss, correct,
+                    ce_den, z_den, -100, 0.0, 0.0, 0.0, True, True, False), device, cfg)
+                status = f"ok; 3-pass floor at 4.27 TB/s {floor_ms:.4f} ms"
+            except Exception as exc:  # a setting may exceed a resource limit; record, go on
+                ms, status = float("nan"), f"error: {type(exc).__name__}: {str(exc)[:120]}"
+            finally:
+                _set(ce_ops, old)
+            text = f"rows={rows} " + " ".join(f"{k}={val}" for k, val in setting.items())
+            print(f"flce_chunk_loss_kernel {text}: {ms:.4f} ms ({status})", flush=True)
+            writer.writerow({"op": "flce_chunk_loss_kernel", "setting": text, "median_ms": f"{ms:.5f}",
+                             "peak_extra_mib": "", "status": status})
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
+                                              "flce_breakdown,flce_loss_kernel,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -224,11 +261,19 @@ def main(argv: list[str] | None = None) -> int:
                 _sweep(op, ops_utils, {name: (None, 8, 32, 64)},
                        spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("layer_norm_forward"):
-            # LayerNorm forward: rows per tile (the tile is shared with RMSNorm) by elements per thread.
-            spec = specs["layer_norm"]
-            _sweep("layer_norm", ops_utils, {"ROW_NORM_TILE_ELEMENTS": (4096, 8192),
-                                             "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (32, 64)},
-                   spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+            # LayerNorm forward statistics (centred two-pass, raw moments as two sums or one
+            # paired reduce) by elements per thread (None: 8 warps a 4096-element tile), with
+            # RMSNorm's forward timed in the same run for reference; two rounds, since the
+            # settings differ by ~1-2%, about the run-to-run spread.
+            spec, rms_spec = specs["layer_norm"], specs["rms_norm"]
+            for _ in range(2):
+                _sweep("layer_norm", ops_utils, [
+                    {"ROW_NORM_RAW_MOMENTS": raw, "ROW_NORM_PAIRED_MOMENT_SUMS": paired,
+                     "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": per_thread}
+                    for raw, paired in ((False, False), (True, False), (True, True)) for per_thread in (None, 32, 8)
+                ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+                _sweep("rms_norm", ops_utils, {"ROW_NORM_FORWARD_ELEMENTS_PER_THREAD": (None,)},
+                       rms_spec, rms_spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("norm_backward"):
             # Backward tile, elements per thread and resident warps, for each norm (full mode),
             # at the target shape and the llama-1b e2e shape.
@@ -294,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                 "ROPE_TILE_ELEMENTS": (2048, 4096, 8192, 16384),
                 "ROPE_MAX_BLOCK_HEADS": (8, 32, 64),
             }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("flce_loss_kernel"):
+            flce_chunk_loss_kernel([
+                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
+                  for b in (8192, 16384, 32768) for p in (1, 2, 4, 8)),
+                *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b, "CE_SPLIT_PROGRAMS_PER_SM": p}
+                  for b in (8192, 16384, 32768) for p in (1, 2)),
+            ], device, cfg, writer, deadline)
         if want("flce_breakdown"):
             flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
         if want("flce"):
