@@ -289,6 +289,115 @@ def test_fp32_accumulation_fallback_path(monkeypatch, four_row_chunks):
     run_and_compare(x, weight, None, target, accum_dtype=torch.float32, label_smoothing=0.1)
 
 
+# The Triton dW update (FLCE_TRITON_GRAD_WEIGHT). Under the interpreter small tiles keep the
+# run short and still give several vocabulary tiles, a short last program group (GROUP_M 3
+# of 8 tiles), masked edges in both dW dimensions and a partial last reduction block; on
+# the GPU the module's defaults run as well.
+SMALL_GRAD_WEIGHT_BLOCKS = {
+    "FLCE_GRAD_WEIGHT_BLOCK_M": 128,
+    "FLCE_GRAD_WEIGHT_BLOCK_N": 64,
+    "FLCE_GRAD_WEIGHT_BLOCK_K": 32,
+    "FLCE_GRAD_WEIGHT_GROUP_M": 3,
+    "FLCE_GRAD_WEIGHT_NUM_WARPS": 4,
+    "FLCE_GRAD_WEIGHT_NUM_STAGES": 2,
+}
+GRAD_WEIGHT_BLOCK_SETS = {"small": SMALL_GRAD_WEIGHT_BLOCKS, **({} if is_interpreter() else {"default": {}})}
+
+# (V, D, C): each vocabulary size with each hidden size and each chunk depth, twice over
+# (half of the full product, for the interpreter's sake).
+GRAD_WEIGHT_SHAPES = shapes(
+    small=[(1007, 123, 67), (1007, 256, 200), (1007, 123, 1), (1007, 256, 3),
+           (64, 123, 200), (64, 256, 67), (64, 123, 3), (64, 256, 1)],
+    full=[(32003, 520, 384), (128256, 2048, 384), (4099, 4096, 768)],
+)
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.fixture
+def triton_grad_weight(monkeypatch):
+    """FLCE_TRITON_GRAD_WEIGHT on (small tiles under the interpreter); returns the list of
+    the kernel launcher's calls, each recorded by its ``first`` flag."""
+    monkeypatch.setattr(flce_ops, "FLCE_TRITON_GRAD_WEIGHT", True)
+    if is_interpreter():
+        for name, value in SMALL_GRAD_WEIGHT_BLOCKS.items():
+            monkeypatch.setattr(flce_ops, name, value)
+    calls = []
+    launch = flce_ops._launch_grad_weight_update
+
+    def recording(grad_weight, grad_chunk, x_chunk, first):
+        calls.append(first)
+        launch(grad_weight, grad_chunk, x_chunk, first)
+
+    monkeypatch.setattr(flce_ops, "_launch_grad_weight_update", recording)
+    return calls
+
+
+@pytest.mark.parametrize("n_vocab, hidden, n_rows", GRAD_WEIGHT_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("first", [True, False], ids=["first", "accumulate"])
+@pytest.mark.parametrize("blocks", list(GRAD_WEIGHT_BLOCK_SETS))
+def test_triton_grad_weight_update(n_vocab, hidden, n_rows, dtype, first, blocks, monkeypatch, triton_grad_weight):
+    """``dW [+]= G_c^T X_c`` by the Triton kernel against float64.
+
+    The kernel forms each product exactly in fp32 for 16-bit operands (8 + 8 or 11 + 11
+    significant bits; fp32 operands: rounded once), sums the C products and the old value
+    in fp32, which for any order errs by at most about (C + 1) 2**-24 times the sum of the
+    magnitudes (allowed twice over: tensor cores align a block's addends by truncation),
+    and rounds once to dW's dtype (unit roundoff u; to nearest under the interpreter too,
+    see ROUND_BY_HAND). So ``|ours - exact| <= u |exact| + 2 (C + 2) 2**-24 (|old| + |G|^T |X|)``:
+    for bf16 about 2**-8 relative to the element. Results that underflow are rounded to the
+    subnormal grid instead, absolute error up to half its spacing, ``u * tiny`` (fp16: 2**-25).
+    """
+    for name, value in GRAD_WEIGHT_BLOCK_SETS[blocks].items():
+        monkeypatch.setattr(flce_ops, name, value)
+    # As in the chunk loop: G_c is the first rows of a larger (C, V) buffer, X_c a row slice of X.
+    grad_chunk = torch.randn(n_rows + 5, n_vocab, device=DEVICE).to(dtype)[:n_rows]
+    x_chunk = torch.randn(n_rows + 7, hidden, device=DEVICE).to(dtype)[3 : 3 + n_rows]
+    if first:
+        # Garbage, as the first chunk finds it: every element must be overwritten.
+        grad_weight = torch.full((n_vocab, hidden), float("nan"), device=DEVICE, dtype=dtype)
+        old = torch.zeros(n_vocab, hidden, device=DEVICE, dtype=torch.float64)
+    else:
+        # Old values about as large as the update, so losing either shows.
+        grad_weight = (torch.randn(n_vocab, hidden, device=DEVICE) * n_rows**0.5).to(dtype)
+        old = grad_weight.double()
+
+    flce_ops._accumulate_grad_weight(grad_weight, grad_chunk, x_chunk, first)
+
+    assert triton_grad_weight == [first]
+    g64, x64 = grad_chunk.double(), x_chunk.double()
+    expected = old + g64.t() @ x64
+    magnitude = old.abs() + g64.abs().t() @ x64.abs()
+    unit = UNIT_ROUNDOFF[dtype]
+    allowed = unit * expected.abs() + 2 * (n_rows + 2) * 2.0**-24 * magnitude + unit * torch.finfo(dtype).tiny
+    excess = ((grad_weight.double() - expected).abs() - allowed).max()
+    assert excess <= 0, f"dW exceeds its bound by {float(excess):.3g}"
+
+
+@pytest.mark.parametrize("n_rows, hidden, vocab", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_matches_torch_with_triton_grad_weight(n_rows, hidden, vocab, dtype, reduction, monkeypatch,
+                                               triton_grad_weight):
+    """test_matches_torch's comparison with dW accumulated over the chunks by the Triton kernel."""
+    if vocab < 1024 or not FULL_SHAPES:
+        # A budget of 8 rows of logits: 8-row chunks (the last one ragged) on the small set.
+        monkeypatch.setattr(flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 8 * vocab * dtype.itemsize)
+    options = dict(OPTION_SETS["bias_weighted_smoothing"])
+    with_bias = options.pop("with_bias")
+    x, weight, bias, target = make_problem(n_rows, hidden, vocab, dtype, with_bias)
+    run_and_compare(x, weight, bias, target, reduction=reduction, **options)
+    n_chunks = -(-n_rows // flce_ops.chunk_rows_for(n_rows, vocab, x.element_size()))
+    assert triton_grad_weight == [True] + [False] * (n_chunks - 1)
+
+
+def test_triton_grad_weight_leaves_fp32_accumulator_to_cublas(triton_grad_weight, four_row_chunks):
+    x, weight, _, target = make_problem(13, 16, 401, torch.bfloat16, False)
+    run_and_compare(x, weight, None, target, accum_dtype=torch.float32)
+    assert triton_grad_weight == []
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored_gives_zero_loss_and_grads(reduction, four_row_chunks):
     x, weight, bias, target = make_problem(7, 16, 100, torch.float32, True)
