@@ -191,104 +191,11 @@ def flce_chunk_loss_kernel(settings: list[dict[str, Any]], device: torch.device,
         torch.cuda.empty_cache()
 
 
-# Launch settings of the Triton dW update (FLCE_GRAD_WEIGHT_*) swept by flce_grad_weight_sweep,
-# BLOCK_K 64 and GROUP_M 8 throughout: 128 x 128 by warps and stages; 128 x 256 and 256 x 128
-# with 8 warps only (with 4, sm_90 ptxas spills: the fp32 accumulator alone is 256 registers
-# a thread); 128 x 64 with 4 warps (~160 registers: 3 programs an SM with 3 stages, more
-# overlap of one tile's dW read/write with another's main loop, for twice the operand reads).
-FLCE_GRAD_WEIGHT_CONFIGS = [
-    {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "NUM_WARPS": warps, "NUM_STAGES": stages, "GROUP_M": 8}
-    for (m, n), warps_options in (((128, 128), (4, 8)), ((128, 256), (8,)), ((256, 128), (8,)), ((128, 64), (4,)))
-    for warps in warps_options for stages in (3, 4)
-]
-
-
-def _max_abs_diff(actual: torch.Tensor, expected: torch.Tensor, rows: int = 8192) -> tuple[float, float]:
-    """(max |actual - expected|, max |expected|) in fp32, a block of rows at a time (no fp32
-    copy of a whole dW)."""
-    diff = scale = 0.0
-    for start in range(0, expected.shape[0], rows):
-        a, e = actual[start:start + rows].float(), expected[start:start + rows].float()
-        diff = max(diff, float((a - e).abs().max()))
-        scale = max(scale, float(e.abs().max()))
-    return diff, scale
-
-
-def flce_grad_weight_sweep(device: torch.device, cfg: TimingConfig, writer: csv.DictWriter, deadline: float,
-                           hw: Any = None, hidden_sizes: Iterable[int] = (2048, 4096),
-                           chunk_rows: Iterable[int] = (384, 768)) -> None:
-    """One chunk's ``dW += G_c^T X_c`` at V 128256 bf16: cuBLAS against the Triton kernel.
-
-    Per (D, chunk rows): cuBLAS's ``addmm_`` (beta 1) and ``mm(out=)`` (beta 0, the first
-    chunk), then the Triton update (``_launch_grad_weight_update``) for each setting of
-    :data:`FLCE_GRAD_WEIGHT_CONFIGS`, both betas. Each setting is first checked against
-    cuBLAS's result (both are one rounding of an fp32 sum, so they differ by about a bf16
-    ulp: max |diff| must stay within 2**-7 of max |dW|; old dW values are as large as the
-    update, so a tile that skips either shows), recorded in the status with the TFLOP/s.
-    A setting that fails to compile or launch (e.g. out of shared memory) is recorded as
-    an error. With ``hw``, a floor row: max(dW read + write / copy bandwidth, FLOPs / matmul rate).
-    """
-    import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
-
-    v, dtype = 128256, torch.bfloat16
-
-    def record(setting: str, ms: float, status: str) -> None:
-        print(f"flce_grad_weight {setting}: {ms:.4f} ms ({status})", flush=True)
-        writer.writerow({"op": "flce_grad_weight", "setting": setting, "median_ms": f"{ms:.5f}",
-                         "peak_extra_mib": "", "status": status})
-
-    for d, rows in itertools.product(hidden_sizes, chunk_rows):
-        if time.perf_counter() > deadline:
-            print("flce_grad_weight: time limit reached, rest skipped", flush=True)
-            return
-        flops = 2 * rows * d * v
-        shape = f"D={d} V={v} rows={rows}"
-        if hw is not None:
-            bytes_moved = (2 * v * d + rows * (v + d)) * 2  # dW read and written, G_c and X_c read
-            floor_ms = 1e3 * max(bytes_moved / hw.copy_bytes_per_s, flops / hw.matmul_flops_per_s)
-            record(f"{shape} impl=floor", floor_ms, f"{flops / floor_ms / 1e9:.1f} TFLOP/s")
-        x_chunk = torch.randn(rows, d, device=device, dtype=dtype)
-        # Logit-gradient-like magnitudes (1/V); old dW as large as one update (sqrt(C)/V).
-        g = torch.randn(rows, v, device=device, dtype=dtype).mul_(1.0 / v)
-        start = torch.randn(v, d, device=device, dtype=dtype).mul_(rows**0.5 / v)
-        expected = {False: start.clone().addmm_(g.t(), x_chunk), True: torch.mm(g.t(), x_chunk)}
-        grad_weight = start.clone()
-        for beta, fn in ((1, functools.partial(grad_weight.addmm_, g.t(), x_chunk)),
-                         (0, functools.partial(torch.mm, g.t(), x_chunk, out=grad_weight))):
-            ms = _time_component(fn, device, cfg)
-            record(f"{shape} impl=cublas beta={beta}", ms, f"{flops / ms / 1e9:.1f} TFLOP/s")
-        for config in FLCE_GRAD_WEIGHT_CONFIGS:
-            if time.perf_counter() > deadline:
-                print("flce_grad_weight: time limit reached, rest skipped", flush=True)
-                break
-            text = f"{shape} impl=triton " + " ".join(f"{k}={val}" for k, val in config.items())
-            old = _set(flce_ops, {f"FLCE_GRAD_WEIGHT_{k}": val for k, val in config.items()})
-            try:
-                for first in (False, True):
-                    setting = f"{text} beta={0 if first else 1}"
-                    try:
-                        grad_weight.copy_(start)
-                        flce_ops._launch_grad_weight_update(grad_weight, g, x_chunk, first)
-                        diff, scale = _max_abs_diff(grad_weight, expected[first])
-                        check = (f"check {'ok' if diff <= 2.0**-7 * scale else 'MISMATCH'}: "
-                                 f"max|diff| {diff:.3g} of max|dW| {scale:.3g}")
-                        ms = _time_component(
-                            functools.partial(flce_ops._launch_grad_weight_update, grad_weight, g, x_chunk, first),
-                            device, cfg)
-                        record(setting, ms, f"{flops / ms / 1e9:.1f} TFLOP/s, {check}")
-                    except Exception as exc:  # e.g. out of shared memory: record, go on
-                        record(setting, float("nan"), f"error: {type(exc).__name__}: {str(exc)[:120]}")
-            finally:
-                _set(flce_ops, old)
-        del x_chunk, g, start, expected, grad_weight
-        torch.cuda.empty_cache()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
+                                              "flce_breakdown,flce_loss_kernel,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -441,10 +348,6 @@ def main(argv: list[str] | None = None) -> int:
             ], device, cfg, writer, deadline)
         if want("flce_breakdown"):
             flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
-        if want("flce_grad_weight"):
-            # The per-chunk dW update: cuBLAS addmm_ against the Triton kernel's settings
-            # (FLCE_TRITON_GRAD_WEIGHT and FLCE_GRAD_WEIGHT_* decide from these rows).
-            flce_grad_weight_sweep(device, cfg, writer, deadline, hw)
         if want("flce"):
             spec = specs["fused_linear_cross_entropy"]
             _sweep("fused_linear_cross_entropy", flce_ops, {

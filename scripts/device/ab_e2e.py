@@ -11,7 +11,6 @@ Variants (``--variants``, comma list):
   nocheck      the fused loss skips its target-range check (the one host sync per forward);
                for measuring what that sync costs, never for training
   chunk256     ``FLCE_CHUNK_BUDGET_BYTES = 256 MiB``
-  tritondw     ``FLCE_TRITON_GRAD_WEIGHT = True`` (the fused loss's dW update by Triton, not cuBLAS)
 
 Usage: ``python scripts/device/ab_e2e.py [--variants base,nocheck] [--rounds 2] [--steps 10] [--csv F]``
 """
@@ -42,8 +41,6 @@ def variant_settings(name: str):
         overrides["check_target"] = lambda *args, **kwargs: None
     elif name == "chunk256":
         overrides["FLCE_CHUNK_BUDGET_BYTES"] = 256 * 2**20
-    elif name == "tritondw":
-        overrides["FLCE_TRITON_GRAD_WEIGHT"] = True
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r}")
     saved = {key: getattr(flce_ops, key) for key in overrides}

@@ -15,9 +15,7 @@ per chunk, ``Z_c = X_c W^T (+ b)`` (cuBLAS, written into the reused buffer), the
 cross-entropy kernel overwrites ``Z_c`` with ``G_c`` in place, then ``dX_c = G_c W`` is
 written into its rows of dX and ``dW += G_c^T X_c`` is accumulated in place (``addmm_``,
 ``beta = 1``; the first chunk writes dW outright) into a preallocated dW, so no temporary
-of dW's size appears. With :data:`FLCE_TRITON_GRAD_WEIGHT` (and dW in the operands' dtype)
-that update is a Triton GEMM instead, which loads each old dW tile before its reduction over
-the C rows, adds it to the fp32 sum of ``G_c^T X_c`` and rounds once to dW's dtype. ``C`` comes from
+of dW's size appears. ``C`` comes from
 :data:`FLCE_CHUNK_BUDGET_BYTES`. The mean's denominators are computed once for the whole
 batch on the device, so the chunk loop never syncs with the host.
 
@@ -34,8 +32,6 @@ import contextlib
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from liger_kernel.ops.cross_entropy import (
     check_class_weight,
@@ -45,13 +41,9 @@ from liger_kernel.ops.cross_entropy import (
     mean_denominators,
 )
 from liger_kernel.ops.utils import (
-    _row_norm_round,
-    cdiv,
     check_float_dtype,
     check_same_device,
     check_tensor,
-    is_interpreter,
-    launch_kernel,
     liger_custom_op,
     scale_gradient,
 )
@@ -70,33 +62,6 @@ FLCE_CHUNK_ROW_MULTIPLE = 128
 # The dX GEMM reduces over the whole vocabulary (K = V, up to 262144), where those extra
 # roundings would dominate the error; the chunk GEMMs run with fp32 reductions instead.
 FLCE_FP32_GEMM_REDUCTION = True
-
-# The per-chunk update dW += G_c^T X_c by the Triton kernel below instead of cuBLAS's
-# addmm_ (first chunk: torch.mm). With a reduction depth of only C (~384) rows that update
-# sits near the memory/compute ridge, and cuBLAS reads the old dW tile in its epilogue,
-# after its short main loop, so the read's latency is exposed (H200, D 4096, bf16: ~0.88 ms
-# a chunk, ~480 TFLOP/s, against ~0.6 ms ideal). The kernel issues that read before its
-# K loop. Off until measured on the GPU (``python -m benchmarks.tune --only
-# flce_grad_weight``). Applies only where dW has the operands' dtype; the fp32 accumulator
-# for low-precision operands (``accum_dtype=torch.float32``) stays on cuBLAS.
-FLCE_TRITON_GRAD_WEIGHT = False
-
-# Launch configuration of that kernel: a BLOCK_M (vocabulary) x BLOCK_N (hidden) tile of
-# dW per program, reducing over the chunk's rows BLOCK_K at a time. 128 x 128 x 64 is the
-# usual Hopper bf16 GEMM tile (wgmma). A chunk's tile has only C / 64 ~ 6 loop steps, so two
-# programs per SM, one in its epilogue (dW store) while the other computes, matter more than
-# wide warps: with 4 warps (fp32 accumulator 128 registers a thread, old dW tile 64) sm_90
-# ptxas (offline, Triton 3.9) gives 255 registers, no spills, two programs an SM; 8 warps give
-# 166 registers, one program an SM. 3 stages: 96 KiB of shared memory a program.
-FLCE_GRAD_WEIGHT_BLOCK_M = 128
-FLCE_GRAD_WEIGHT_BLOCK_N = 128
-FLCE_GRAD_WEIGHT_BLOCK_K = 64
-FLCE_GRAD_WEIGHT_NUM_WARPS = 4
-FLCE_GRAD_WEIGHT_NUM_STAGES = 3
-# Programs are ordered in groups of GROUP_M vocabulary tiles, hidden tiles outermost within
-# a group: the programs in flight then share a few G_c column blocks (G_c, 96 MiB at the
-# target shape, does not fit L2; X_c, a few MiB, does), so each is read from DRAM about once.
-FLCE_GRAD_WEIGHT_GROUP_M = 8
 
 
 @contextlib.contextmanager
@@ -143,134 +108,14 @@ def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-@triton.jit
-def _grad_weight_update_kernel(
-    DW,
-    G,
-    X,
-    n_vocab,
-    n_hidden,
-    n_rows,
-    dw_stride_v,
-    dw_stride_d,
-    g_stride_row,
-    g_stride_v,
-    x_stride_row,
-    x_stride_d,
-    ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_OPERANDS: tl.constexpr,
-    ROUND_BY_HAND: tl.constexpr,
-):
-    """``DW = [DW +] G^T X`` for one (BLOCK_M, BLOCK_N) tile of DW (n_vocab, n_hidden).
-
-    ``G`` is (n_rows, n_vocab) and ``X`` (n_rows, n_hidden), any strides; the reduction runs
-    over their n_rows rows in fp32 and the sum is rounded once to DW's dtype. With
-    ACCUMULATE (beta = 1) the old tile is loaded before the reduction loop, so its latency
-    overlaps the loop, and added after it; without, DW is only written (it may hold
-    garbage). UPCAST_OPERANDS (interpreter, bf16: its tl.dot multiplies bf16 bit patterns
-    as integers) feeds tl.dot fp32 copies, which are exact; ROUND_BY_HAND (interpreter)
-    rounds to bf16 to nearest as the GPU does (the interpreter's cast truncates).
-    """
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(n_vocab, BLOCK_M)
-    tiles_n = tl.cdiv(n_hidden, BLOCK_N)
-    # Grouped order: GROUP_M vocabulary tiles (the last group may be shorter), walked
-    # vocabulary-fastest for each hidden tile in turn.
-    tiles_per_group = GROUP_M * tiles_n
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    in_group = pid % tiles_per_group
-    pid_m = first_m + in_group % group_m
-    pid_n = in_group // group_m
-
-    rows_v = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols_d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_v = rows_v < n_vocab
-    mask_d = cols_d < n_hidden
-    dw_ptrs = DW + rows_v[:, None] * dw_stride_v + cols_d[None, :].to(tl.int64) * dw_stride_d
-    tile_mask = mask_v[:, None] & mask_d[None, :]
-    if ACCUMULATE:
-        old = tl.load(dw_ptrs, mask=tile_mask, other=0.0)
-
-    ks = tl.arange(0, BLOCK_K)
-    # A = G^T tile (BLOCK_M, BLOCK_K): element (v, k) of G^T is G[k, v].
-    a_ptrs = G + rows_v[:, None] * g_stride_v + ks[None, :].to(tl.int64) * g_stride_row
-    b_ptrs = X + ks[:, None].to(tl.int64) * x_stride_row + cols_d[None, :] * x_stride_d
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, n_rows, BLOCK_K):
-        k_mask = ks < n_rows - start
-        a = tl.load(a_ptrs, mask=mask_v[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST_OPERANDS:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * g_stride_row
-        b_ptrs += BLOCK_K * x_stride_row
-
-    if ACCUMULATE:
-        acc += old.to(tl.float32)
-    if ROUND_BY_HAND:
-        acc = _row_norm_round(acc, DW.dtype.element_ty, ROUND_BY_HAND)
-    tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=tile_mask)
-
-
-def _launch_grad_weight_update(
-    grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor, first: bool
-) -> None:
-    """``grad_weight (V, D) [+]= grad_chunk (C, V)^T @ x_chunk (C, D)`` by the Triton kernel.
-
-    All three share one dtype; any strides. ``first``: write over ``grad_weight`` (beta = 0).
-    """
-    n_vocab, n_hidden = grad_weight.shape
-    n_rows = grad_chunk.shape[0]
-    if grad_weight.numel() == 0:
-        return
-    if n_rows == 0:
-        if first:
-            grad_weight.zero_()
-        return
-    block_m, block_n = FLCE_GRAD_WEIGHT_BLOCK_M, FLCE_GRAD_WEIGHT_BLOCK_N
-    grid = (cdiv(n_vocab, block_m) * cdiv(n_hidden, block_n),)
-    # fp32 operands: full fp32 products unless torch allows TF32 for matmuls (as cuBLAS
-    # would); the setting does not apply to 16-bit operands.
-    fp32 = grad_chunk.dtype == torch.float32
-    precision = "ieee" if fp32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
-    interpreted = is_interpreter()
-    launch_kernel(_grad_weight_update_kernel, grid,
-                  grad_weight, grad_chunk, x_chunk, n_vocab, n_hidden, n_rows,
-                  grad_weight.stride(0), grad_weight.stride(1),
-                  grad_chunk.stride(0), grad_chunk.stride(1),
-                  x_chunk.stride(0), x_chunk.stride(1),
-                  ACCUMULATE=not first,
-                  BLOCK_M=block_m,
-                  BLOCK_N=block_n,
-                  BLOCK_K=FLCE_GRAD_WEIGHT_BLOCK_K,
-                  GROUP_M=FLCE_GRAD_WEIGHT_GROUP_M,
-                  DOT_PRECISION=precision,
-                  UPCAST_OPERANDS=interpreted and grad_chunk.dtype == torch.bfloat16,
-                  ROUND_BY_HAND=interpreted,
-                  num_warps=FLCE_GRAD_WEIGHT_NUM_WARPS,
-                  num_stages=FLCE_GRAD_WEIGHT_NUM_STAGES)
-
-
 def _accumulate_grad_weight(
     grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor, first: bool
 ) -> None:
     """``grad_weight += grad_chunk^T @ x_chunk`` in place, without a dW-sized temporary.
 
     With ``first`` and matching dtypes, ``grad_weight`` may hold garbage: the product is
-    written over it (saving the zero fill and one read of dW). Matching dtypes go through
-    the Triton kernel when :data:`FLCE_TRITON_GRAD_WEIGHT` is set, else through cuBLAS.
+    written over it (saving the zero fill and one read of dW).
     """
-    if grad_weight.dtype == grad_chunk.dtype and FLCE_TRITON_GRAD_WEIGHT:
-        _launch_grad_weight_update(grad_weight, grad_chunk, x_chunk, first)
-        return
     if grad_weight.dtype == grad_chunk.dtype:
         if first:
             torch.mm(grad_chunk.t(), x_chunk, out=grad_weight)
