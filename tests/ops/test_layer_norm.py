@@ -278,59 +278,6 @@ def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backwar
     check_fp32(ours, truth, n_rows)
 
 
-FORWARD_STATISTICS = {"centred": (False, False), "raw": (True, False), "raw_paired": (True, True)}
-
-
-@pytest.fixture(params=list(FORWARD_STATISTICS))
-def forward_statistics(request, monkeypatch):
-    """Each way the forward may compute a whole-row tile's statistics (ROW_NORM_RAW_MOMENTS)."""
-    import liger_kernel.ops.utils as ops_utils
-
-    raw, paired = FORWARD_STATISTICS[request.param]
-    monkeypatch.setattr(ops_utils, "ROW_NORM_RAW_MOMENTS", raw)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_PAIRED_MOMENT_SUMS", paired)
-    return request.param
-
-
-@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (3, 1027), (1, 1)])
-@pytest.mark.parametrize("shifted_rows", ["none", "one", "all"])
-def test_forward_statistics(forward_statistics, n_rows, hidden, shifted_rows):
-    """Raw-moment statistics agree with the float64 truth, with or without rows whose mean
-    dwarfs their spread (those must take the centred fallback: E[x^2] - mean^2 would be off
-    by ~3e-2 there); a tile mixing both kinds is held to the same bound on every row."""
-    x, w, b, dy = make_inputs(n_rows, hidden, torch.float32)
-    shift = torch.zeros(n_rows, 1, device=DEVICE)
-    if shifted_rows == "one":
-        shift[n_rows // 2] = 1000.0
-    elif shifted_rows == "all":
-        shift[:] = 1000.0
-    x = x + shift
-    ours = run(liger, x, w, b, dy)
-    truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
-    if shifted_rows == "none":
-        check_fp32(ours, truth, n_rows)
-        return
-    ref = run(torch_layer_norm, x, w, b, dy)
-    for name, a, r, t in zip(("y", "dx", "dw", "db"), ours, ref, truth):
-        ours_err, ref_err = rel_error(a, t), rel_error(r, t)
-        assert ours_err <= max(2 * ref_err, 1e-4), f"{name}: error {ours_err:.3g} vs torch fp32's {ref_err:.3g}"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forward_statistics_low_precision(forward_statistics, dtype):
-    x, w, b, dy = make_inputs(37, 123, dtype)
-    ours = run(liger, x, w, b, dy)
-    ref = run(torch_layer_norm, x, w, b, dy)
-    assert_close(ours[0], ref[0], dtype=dtype, msg="y vs torch")
-
-
-def test_forward_statistics_constant_rows(forward_statistics):
-    x = torch.full((3, 123), 2.5, device=DEVICE)
-    w, b = torch.randn(123, device=DEVICE), torch.randn(123, device=DEVICE)
-    y = LigerLayerNormFunction.apply(x, w, b, EPS)
-    assert_close(y, b.expand_as(y), msg="y")
-
-
 def test_in_place_reuses_grad_output():
     x, w, b, dy = make_inputs(7, 123, torch.float32)
     expected = run(liger_out_of_place, x, w, b, dy)

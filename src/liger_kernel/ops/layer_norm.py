@@ -94,9 +94,6 @@ def _launch_args(launch, backward: bool) -> dict:
     if backward:
         args["PREFETCH"] = launch.backward_prefetch
         args["ROW_ACCUMULATOR"] = launch.backward_row_accumulator
-    else:
-        args["RAW_MOMENTS"] = launch.raw_moments
-        args["PAIRED_SUMS"] = launch.paired_moment_sums
     return args
 
 

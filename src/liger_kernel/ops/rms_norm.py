@@ -144,7 +144,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
             eps, offset,
             CENTER=False, HAS_BIAS=False, CASTING=casting,
             FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
-            ROUND_BY_HAND=launch.round_by_hand, RAW_MOMENTS=False, PAIRED_SUMS=False,
+            ROUND_BY_HAND=launch.round_by_hand,
             num_warps=launch.num_warps,
         )
     return y.view(x.shape), rstd

@@ -384,14 +384,6 @@ ROW_NORM_BACKWARD_ROW_ACCUMULATOR = None
 # None 0.0775 ms, 32 0.0726.
 ROW_NORM_FORWARD_ELEMENTS_PER_THREAD = None
 ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD = 32
-# LayerNorm forward statistics of a whole-row tile from the raw moments sum(x) and
-# sum(x^2), two independent row reductions instead of the mean followed by the centred
-# sum of squares (two dependent ones): var = E[x^2] - mean^2. That difference loses at
-# most one bit where mean^2 <= var, which holds for every row of a tile or the tile falls
-# back to the centred two-pass statistics (exact for any mean, as before).
-# ROW_NORM_PAIRED_MOMENT_SUMS reduces both sums in one two-value tl.reduce.
-ROW_NORM_RAW_MOMENTS = False
-ROW_NORM_PAIRED_MOMENT_SUMS = False
 # The backward's (P, H) fp32 partials are summed by one Triton launch per backward
 # (dW and dB together, rounded straight to the parameter dtype); False uses torch's
 # ``partials.sum(0).to(dtype)``, two launches per parameter, for A/B measurements.
@@ -417,8 +409,6 @@ class RowNormLaunch:
     round_by_hand: bool  # interpreter only: see _row_norm_round
     backward_prefetch: bool
     backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the tunable)
-    raw_moments: bool  # LayerNorm forward: statistics from sum(x) and sum(x^2) (see the tunable)
-    paired_moment_sums: bool
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool = False) -> RowNormLaunch:
@@ -432,8 +422,7 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool
     tunables = (MAX_FUSED_BLOCK, MAX_BLOCK, ROW_NORM_TILE_ELEMENTS, ROW_NORM_MAX_ROWS_PER_TILE,
                 ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD, ROW_NORM_WARPS_PER_SM, ROW_NORM_MAX_PROGRAMS_PER_SM,
                 ROW_NORM_BACKWARD_TILE_ELEMENTS, ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS, ROW_NORM_BACKWARD_TILE_ROWS,
-                ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR, ROW_NORM_RAW_MOMENTS,
-                ROW_NORM_PAIRED_MOMENT_SUMS, is_interpreter())
+                ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR, is_interpreter())
     forward_elements_per_thread = (ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD if center
                                    else ROW_NORM_FORWARD_ELEMENTS_PER_THREAD)
     return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), forward_elements_per_thread, tunables)
@@ -494,8 +483,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
     if row_accumulator is None:
         row_accumulator = backward_block_rows > 1 and block_cols < 256 * backward_num_warps
     return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
-                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator),
-                         ROW_NORM_RAW_MOMENTS and fused, ROW_NORM_PAIRED_MOMENT_SUMS)
+                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator))
 
 
 def _warps_for(tile_elements: int, elements_per_thread: int) -> int:
@@ -577,25 +565,14 @@ def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offse
 
 
 @triton.jit
-def _add_pair(a, b, c, d):
-    return a + c, b + d
-
-
-@triton.jit
 def row_norm_forward_kernel(
     X, W, B, Y, MEAN, RSTD,
     n_rows, n_cols, x_row_stride, y_row_stride,
     eps, offset,
     CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-    RAW_MOMENTS: tl.constexpr, PAIRED_SUMS: tl.constexpr,
 ):
-    """One program per tile of BLOCK_ROWS rows: statistics, then y; stores rstd (and mean).
-
-    With CENTER, FUSED and RAW_MOMENTS the statistics come from the raw moments (see
-    ROW_NORM_RAW_MOMENTS): ``mean = S1 / n``, ``var = S2 / n - mean^2`` where every row of
-    the tile has ``mean^2 <= var``; otherwise the centred ``var = sum((x - mean)^2) / n``.
-    """
+    """One program per tile of BLOCK_ROWS rows: statistics, then y; stores rstd (and mean)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -607,29 +584,11 @@ def row_norm_forward_kernel(
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
         xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if CENTER and RAW_MOMENTS:
-            if PAIRED_SUMS:
-                sum_x, sum_sq = tl.reduce((xc, xc * xc), 1, _add_pair)
-            else:
-                sum_x = tl.sum(xc, axis=1)
-                sum_sq = tl.sum(xc * xc, axis=1)
-            mean = _div(sum_x, n_cols)
-            var = _div(sum_sq, n_cols) - mean * mean
+        if CENTER:
+            mean = _div(tl.sum(xc, axis=1), n_cols)
             xc = tl.where(mask, xc - mean[:, None], 0.0)
-            if tl.max((mean * mean > var).to(tl.int32), axis=0) > 0:
-                # A mean that dwarfs the spread: refine it by the mean of the centred
-                # values (the raw sum's rounding is ~ulp(mean) * n), then the centred variance.
-                correction = _div(tl.sum(xc, axis=1), n_cols)
-                mean += correction
-                xc = tl.where(mask, xc - correction[:, None], 0.0)
-                var = _div(tl.sum(xc * xc, axis=1), n_cols)
-            rstd = tl.rsqrt(var + eps)
-        else:
-            if CENTER:
-                mean = _div(tl.sum(xc, axis=1), n_cols)
-                xc = tl.where(mask, xc - mean[:, None], 0.0)
-            rstd = _row_norm_rstd(tl.sum(_row_norm_square(xc, X.dtype.element_ty, CASTING, ROUND_BY_HAND), axis=1),
-                                  n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
+        rstd = _row_norm_rstd(tl.sum(_row_norm_square(xc, X.dtype.element_ty, CASTING, ROUND_BY_HAND), axis=1),
+                              n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
         _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
                               HAS_BIAS, CASTING, ROUND_BY_HAND)
     else:
