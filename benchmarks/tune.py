@@ -191,11 +191,39 @@ def flce_chunk_loss_kernel(settings: list[dict[str, Any]], device: torch.device,
         torch.cuda.empty_cache()
 
 
+def _grad_weight_forms(d: int, v: int, rows: int, device: torch.device) -> dict[str, Callable[[], Any]]:
+    g = torch.randn(rows, v, device=device, dtype=torch.bfloat16)
+    x = torch.randn(rows, d, device=device, dtype=torch.bfloat16)
+    dw = torch.zeros(v, d, device=device, dtype=torch.bfloat16)
+    half = v // 2
+    return {
+        "addmm_(G^T, X)": lambda: dw.addmm_(g.t(), x),
+        "dW^T.addmm_(X^T, G)": lambda: dw.t().addmm_(x.t(), g),
+        "two vocabulary halves": lambda: (dw[:half].addmm_(g[:, :half].t(), x),
+                                          dw[half:].addmm_(g[:, half:].t(), x)),
+    }
+
+
+def flce_grad_weight_forms(device: torch.device, cfg: TimingConfig, writer: csv.DictWriter) -> None:
+    """The chunk's dW update ``dW += G^T X`` (V 128256, 384 rows, bf16) written three ways that
+    cuBLAS may serve with different kernels: as is, as the transposed product into dW's
+    transposed view, and in two vocabulary halves."""
+    v, rows = 128256, 384
+    for d in (2048, 4096):
+        flops = 2 * rows * d * v
+        for name, fn in _grad_weight_forms(d, v, rows, device).items():
+            ms = _time_component(fn, device, cfg)
+            print(f"flce_grad_weight_forms D={d} {name}: {ms:.4f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+            writer.writerow({"op": "flce_grad_weight_forms", "setting": f"D={d} rows={rows} {name}",
+                             "median_ms": f"{ms:.5f}", "peak_extra_mib": "", "status": f"{flops / ms / 1e9:.1f} TFLOP/s"})
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,flce_loss_kernel,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
+                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,norm_cache_hints,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -268,6 +296,17 @@ def main(argv: list[str] | None = None) -> int:
             _sweep("layer_norm", ops_utils, {"ROW_NORM_TILE_ELEMENTS": (4096, 8192),
                                              "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (32, 64)},
                    spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+        if want("norm_cache_hints"):
+            # Forward cache hints (X evict-first, y streaming store, weight/bias evict-last) on and
+            # off, alternating over three rounds, forward and full, at the target and e2e shapes.
+            for _ in range(3):
+                for op in ("rms_norm", "layer_norm"):
+                    spec = specs[op]
+                    for shape, mode in ((spec.gpu_shapes[0], "forward"), (spec.gpu_shapes[0], "full"),
+                                        (spec.gpu_shapes[1], "forward")):
+                        _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils,
+                               {"ROW_NORM_FORWARD_CACHE_HINTS": (False, True)},
+                               spec, shape, dtype, device, cfg, writer, deadline, mode=mode)
         if want("norm_backward"):
             # Backward tile, elements per thread and resident warps, for each norm (full mode),
             # at the target shape and the llama-1b e2e shape.
@@ -340,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                 *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b, "CE_SPLIT_PROGRAMS_PER_SM": p}
                   for b in (8192, 16384, 32768) for p in (1, 2)),
             ], device, cfg, writer, deadline)
+        if want("flce_grad_weight_forms"):
+            flce_grad_weight_forms(device, cfg, writer)
         if want("flce_breakdown"):
             flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
         if want("flce"):
