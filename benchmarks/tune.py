@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,norm_cache_hints,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
+                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -296,17 +296,6 @@ def main(argv: list[str] | None = None) -> int:
             _sweep("layer_norm", ops_utils, {"ROW_NORM_TILE_ELEMENTS": (4096, 8192),
                                              "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (32, 64)},
                    spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
-        if want("norm_cache_hints"):
-            # Forward cache hints (X evict-first, y streaming store, weight/bias evict-last) on and
-            # off, alternating over three rounds, forward and full, at the target and e2e shapes.
-            for _ in range(3):
-                for op in ("rms_norm", "layer_norm"):
-                    spec = specs[op]
-                    for shape, mode in ((spec.gpu_shapes[0], "forward"), (spec.gpu_shapes[0], "full"),
-                                        (spec.gpu_shapes[1], "forward")):
-                        _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils,
-                               {"ROW_NORM_FORWARD_CACHE_HINTS": (False, True)},
-                               spec, shape, dtype, device, cfg, writer, deadline, mode=mode)
         if want("norm_backward"):
             # Backward tile, elements per thread and resident warps, for each norm (full mode),
             # at the target shape and the llama-1b e2e shape.

@@ -302,16 +302,3 @@ def test_in_place_must_be_bool():
     x, w, b, _ = make_inputs(3, 8, torch.float32)
     with pytest.raises(TypeError, match="in_place"):
         LigerLayerNormFunction.apply(x, w, b, EPS, 1)
-
-
-@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 4096), (3, MAX_FUSED_BLOCK + 8)])
-def test_forward_cache_hints_leave_results_unchanged(monkeypatch, n_rows, hidden):
-    """ROW_NORM_FORWARD_CACHE_HINTS only tells the caches what to keep: bitwise equal outputs."""
-    import liger_kernel.ops.utils as ops_utils
-    from liger_kernel.ops.layer_norm import layer_norm_forward
-
-    x, w, b, _ = make_inputs(n_rows, hidden, torch.bfloat16)
-    expected = layer_norm_forward(x, w, b, EPS)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_FORWARD_CACHE_HINTS", not ops_utils.ROW_NORM_FORWARD_CACHE_HINTS)
-    for a, c in zip(layer_norm_forward(x, w, b, EPS), expected):
-        assert torch.equal(a, c)

@@ -319,16 +319,3 @@ def test_forward_warps_change_only_the_summation_order(monkeypatch, n_rows, hidd
     y, rstd = rms_norm_forward(x, w, EPS, 0.0, "llama")
     torch.testing.assert_close(rstd, rstd_default, rtol=4 * 2.0**-24, atol=0)
     torch.testing.assert_close(y.float(), y_default.float(), rtol=2.0**-7, atol=0)  # one bf16 ulp
-
-
-@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 4096), (3, MAX_FUSED_BLOCK + 8)])
-def test_forward_cache_hints_leave_results_unchanged(monkeypatch, n_rows, hidden):
-    """ROW_NORM_FORWARD_CACHE_HINTS only tells the caches what to keep: bitwise equal output."""
-    import liger_kernel.ops.utils as ops_utils
-    from liger_kernel.ops.rms_norm import rms_norm_forward
-
-    x, w, _ = make_inputs(n_rows, hidden, torch.bfloat16)
-    expected = rms_norm_forward(x, w, EPS, 0.0, "llama")
-    monkeypatch.setattr(ops_utils, "ROW_NORM_FORWARD_CACHE_HINTS", not ops_utils.ROW_NORM_FORWARD_CACHE_HINTS)
-    for a, b in zip(rms_norm_forward(x, w, EPS, 0.0, "llama"), expected):
-        assert torch.equal(a, b)

@@ -56,7 +56,6 @@ from liger_kernel.ops.utils import (
     launch_kernel,
     liger_custom_op,
     row_norm_backward_kernel,
-    row_norm_forward_cache_hints,
     row_norm_forward_kernel,
     row_norm_grad_buffers,
     row_norm_launch,
@@ -95,8 +94,6 @@ def _launch_args(launch, backward: bool) -> dict:
     if backward:
         args["PREFETCH"] = launch.backward_prefetch
         args["ROW_ACCUMULATOR"] = launch.backward_row_accumulator
-    else:
-        args.update(row_norm_forward_cache_hints(launch))
     return args
 
 

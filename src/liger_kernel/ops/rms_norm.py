@@ -72,7 +72,6 @@ from liger_kernel.ops.utils import (
     launch_kernel,
     liger_custom_op,
     row_norm_backward_kernel,
-    row_norm_forward_cache_hints,
     row_norm_forward_kernel,
     row_norm_grad_buffers,
     row_norm_launch,
@@ -145,7 +144,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
             eps, offset,
             CENTER=False, HAS_BIAS=False, CASTING=casting,
             FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
-            ROUND_BY_HAND=launch.round_by_hand, **row_norm_forward_cache_hints(launch),
+            ROUND_BY_HAND=launch.round_by_hand,
             num_warps=launch.num_warps,
         )
     return y.view(x.shape), rstd

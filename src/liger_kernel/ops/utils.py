@@ -384,10 +384,6 @@ ROW_NORM_BACKWARD_ROW_ACCUMULATOR = None
 # None 0.0775 ms, 32 0.0726.
 ROW_NORM_FORWARD_ELEMENTS_PER_THREAD = None
 ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD = 32
-# Cache hints of the forward's whole-row tiles: X is read once and y written once
-# (evict-first load, streaming store), while the weight and bias, read by every tile,
-# should stay in L2 (evict-last). Without hints both kinds compete for L2 alike.
-ROW_NORM_FORWARD_CACHE_HINTS = False
 # The backward's (P, H) fp32 partials are summed by one Triton launch per backward
 # (dW and dB together, rounded straight to the parameter dtype); False uses torch's
 # ``partials.sum(0).to(dtype)``, two launches per parameter, for A/B measurements.
@@ -413,7 +409,6 @@ class RowNormLaunch:
     round_by_hand: bool  # interpreter only: see _row_norm_round
     backward_prefetch: bool
     backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the tunable)
-    forward_cache_hints: bool  # see ROW_NORM_FORWARD_CACHE_HINTS (whole-row tiles only)
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool = False) -> RowNormLaunch:
@@ -427,8 +422,7 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool
     tunables = (MAX_FUSED_BLOCK, MAX_BLOCK, ROW_NORM_TILE_ELEMENTS, ROW_NORM_MAX_ROWS_PER_TILE,
                 ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD, ROW_NORM_WARPS_PER_SM, ROW_NORM_MAX_PROGRAMS_PER_SM,
                 ROW_NORM_BACKWARD_TILE_ELEMENTS, ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS, ROW_NORM_BACKWARD_TILE_ROWS,
-                ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR, ROW_NORM_FORWARD_CACHE_HINTS,
-                is_interpreter())
+                ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR, is_interpreter())
     forward_elements_per_thread = (ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD if center
                                    else ROW_NORM_FORWARD_ELEMENTS_PER_THREAD)
     return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), forward_elements_per_thread, tunables)
@@ -489,15 +483,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
     if row_accumulator is None:
         row_accumulator = backward_block_rows > 1 and block_cols < 256 * backward_num_warps
     return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
-                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator),
-                         ROW_NORM_FORWARD_CACHE_HINTS and fused)
-
-
-def row_norm_forward_cache_hints(launch: RowNormLaunch) -> dict:
-    """The forward kernel's cache-hint constexprs for ``launch``."""
-    if launch.forward_cache_hints:
-        return {"X_EVICTION": "evict_first", "PARAM_EVICTION": "evict_last", "Y_CACHE": ".cs"}
-    return {"X_EVICTION": "", "PARAM_EVICTION": "", "Y_CACHE": ""}
+                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator))
 
 
 def _warps_for(tile_elements: int, elements_per_thread: int) -> int:
@@ -556,11 +542,10 @@ def _row_norm_rstd(sum_sq, n_cols, eps, dtype: tl.constexpr, CASTING: tl.constex
 
 @triton.jit
 def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offset,
-                          HAS_BIAS: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-                          PARAM_EVICTION: tl.constexpr, Y_CACHE: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """y = xhat * (w + offset) [+ b] for one tile, rounded as CASTING says, stored to Y_ptrs."""
     in_dtype = X.dtype.element_ty
-    w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy=PARAM_EVICTION).to(tl.float32) + offset
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     if CASTING == 0:
         # Emulates computing in the input dtype: each product rounded to it.
         rstd_in = _row_norm_round(rstd, in_dtype, ROUND_BY_HAND)
@@ -572,11 +557,11 @@ def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offse
         xhat = xc * rstd[:, None]
     y = xhat * w[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy=PARAM_EVICTION).to(tl.float32)[None, :]
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_dtype = Y_ptrs.dtype.element_ty
     if ROUND_BY_HAND:
         y = _row_norm_round(y, out_dtype, ROUND_BY_HAND)
-    tl.store(Y_ptrs, y.to(out_dtype), mask=mask, cache_modifier=Y_CACHE)
+    tl.store(Y_ptrs, y.to(out_dtype), mask=mask)
 
 
 @triton.jit
@@ -586,13 +571,8 @@ def row_norm_forward_kernel(
     eps, offset,
     CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-    X_EVICTION: tl.constexpr, PARAM_EVICTION: tl.constexpr, Y_CACHE: tl.constexpr,
 ):
-    """One program per tile of BLOCK_ROWS rows: statistics, then y; stores rstd (and mean).
-
-    X_EVICTION, PARAM_EVICTION (loads) and Y_CACHE (store) are cache hints for whole-row
-    tiles ("" for none; see ROW_NORM_FORWARD_CACHE_HINTS).
-    """
+    """One program per tile of BLOCK_ROWS rows: statistics, then y; stores rstd (and mean)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -603,14 +583,14 @@ def row_norm_forward_kernel(
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
-        xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=X_EVICTION).to(tl.float32)
+        xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if CENTER:
             mean = _div(tl.sum(xc, axis=1), n_cols)
             xc = tl.where(mask, xc - mean[:, None], 0.0)
         rstd = _row_norm_rstd(tl.sum(_row_norm_square(xc, X.dtype.element_ty, CASTING, ROUND_BY_HAND), axis=1),
                               n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
         _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
-                              HAS_BIAS, CASTING, ROUND_BY_HAND, PARAM_EVICTION, Y_CACHE)
+                              HAS_BIAS, CASTING, ROUND_BY_HAND)
     else:
         # Pass 1: statistics over column blocks. LayerNorm merges per-block (mean, M2)
         # pairs (Chan et al.), which avoids the cancellation of E[x^2] - E[x]^2.
@@ -644,7 +624,7 @@ def row_norm_forward_kernel(
             if CENTER:
                 xc = tl.where(mask, xc - mean[:, None], 0.0)
             _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
-                                  HAS_BIAS, CASTING, ROUND_BY_HAND, "", "")
+                                  HAS_BIAS, CASTING, ROUND_BY_HAND)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
     if CENTER:
         tl.store(MEAN + rows64, mean, mask=row_mask)
