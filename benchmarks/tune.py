@@ -291,10 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         if want("layer_norm_forward"):
             # LayerNorm forward: rows per tile (the tile is shared with RMSNorm) by elements per thread.
             # (Raw-moment statistics, sum(x) and sum(x^2) with a centred fallback, were measured in
-            # run 7: slower at 4, 8 and 16 warps; removed, commit 1888e99.)
+            # run 7: slower at 4, 8 and 16 warps; removed, commit 1888e99. Run 8 measured unmasked
+            # tiles, X loads with ".cg" and ptxas register caps: none faster; see NOTES.md.)
             spec = specs["layer_norm"]
             _sweep("layer_norm", ops_utils, {"ROW_NORM_TILE_ELEMENTS": (4096, 8192),
-                                             "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (32, 64)},
+                                             "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (16, 32, 64, 128)},
                    spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("norm_backward"):
             # Backward tile, elements per thread and resident warps, for each norm (full mode),
