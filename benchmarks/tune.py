@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_warps,layer_norm_forward,"
+                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_looped,norm_forward_warps,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -297,6 +297,14 @@ def main(argv: list[str] | None = None) -> int:
             _sweep("layer_norm", ops_utils, {"ROW_NORM_TILE_ELEMENTS": (4096, 8192),
                                              "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (16, 32, 64, 128)},
                    spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+        if want("norm_forward_looped"):
+            # Rows of 4096 walked in column blocks (two passes, the second from L2) instead of
+            # one register-resident tile: far fewer registers a program, more rows in flight.
+            for _ in range(2):
+                for op in ("layer_norm", "rms_norm"):
+                    spec = specs[op]
+                    _sweep(op, ops_utils, {"MAX_FUSED_BLOCK": (8192, 2048, 1024)},
+                           spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
         if want("norm_backward"):
             # Backward tile, elements per thread and resident warps, for each norm (full mode),
             # at the target shape and the llama-1b e2e shape.

@@ -96,3 +96,13 @@ def test_sum_partials_is_deterministic():
 def test_sum_partials_rejects_bad_slab_count():
     with pytest.raises(ValueError, match="1 or 2 dtypes"):
         sum_partials(torch.zeros(3, 2, 4, device=DEVICE), (torch.float32,) * 3)
+
+
+def test_row_norm_launch_reads_max_fused_block_at_call_time(monkeypatch):
+    """MAX_FUSED_BLOCK is a tunable: setting it changes which rows are walked in blocks."""
+    import liger_kernel.ops.utils as ops_utils
+
+    assert ops_utils.row_norm_launch(4, 1000, torch.device(DEVICE)).fused
+    monkeypatch.setattr(ops_utils, "MAX_FUSED_BLOCK", 256)
+    launch = ops_utils.row_norm_launch(4, 1000, torch.device(DEVICE))
+    assert not launch.fused and launch.block_cols == 256

@@ -456,7 +456,7 @@ def row_norm_grad_buffers(grad_output: torch.Tensor, x: torch.Tensor,
 @functools.lru_cache(maxsize=1024)
 def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_thread: int | None,
                      tunables: tuple) -> RowNormLaunch:
-    block_cols, _ = row_launch_settings(n_cols)
+    block_cols, _ = row_launch_settings(n_cols, max_block=MAX_FUSED_BLOCK)  # read now: a tunable
     fused = block_cols >= n_cols
 
     def rows_per_tile(tile_elements: int) -> int:
