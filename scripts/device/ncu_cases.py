@@ -3,8 +3,8 @@
 Each case is one of the library's own launchers at a benchmark target shape (bf16), with
 optional module tunables set first, so that ncu's counters (achieved occupancy, DRAM
 throughput, warp stall reasons, registers) can be compared between a kernel that meets its
-target and one that does not. The launches are preceded by one warm-up (compilation) and
-bracketed by NVTX ranges named after the case, for ``ncu --nvtx --nvtx-include``.
+target and one that does not. The launches follow one warm-up (compilation) and sit inside
+one NVTX range named ``case``, for ``ncu --nvtx --nvtx-include "case/"``.
 
 Usage (on a GPU machine)::
 

@@ -106,3 +106,4 @@ def test_row_norm_launch_reads_max_fused_block_at_call_time(monkeypatch):
     monkeypatch.setattr(ops_utils, "MAX_FUSED_BLOCK", 256)
     launch = ops_utils.row_norm_launch(4, 1000, torch.device(DEVICE))
     assert not launch.fused and launch.block_cols == 256
+    assert ops_utils.row_launch_settings(1000)[0] == 256

@@ -57,13 +57,16 @@ def multiprocessor_count(device: torch.device) -> int:
     return _multiprocessor_count(index)
 
 
-def row_launch_settings(n_cols: int, max_block: int = MAX_FUSED_BLOCK) -> tuple[int, int]:
+def row_launch_settings(n_cols: int, max_block: int | None = None) -> tuple[int, int]:
     """Return ``(BLOCK_SIZE, num_warps)`` for a kernel that walks a row of ``n_cols`` elements.
 
-    ``BLOCK_SIZE`` is the next power of two of ``n_cols`` capped at ``max_block``; a kernel
+    ``BLOCK_SIZE`` is the next power of two of ``n_cols`` capped at ``max_block`` (default:
+    :data:`MAX_FUSED_BLOCK`, read at call time so that the tunable takes effect); a kernel
     whose block is smaller than the row loops over the row in ``BLOCK_SIZE`` chunks.
     ``num_warps`` grows with the block so each thread holds a handful of 16-byte vectors.
     """
+    if max_block is None:
+        max_block = MAX_FUSED_BLOCK
     if n_cols < 1:
         n_cols = 1
     block = min(triton.next_power_of_2(n_cols), max_block)
@@ -456,7 +459,7 @@ def row_norm_grad_buffers(grad_output: torch.Tensor, x: torch.Tensor,
 @functools.lru_cache(maxsize=1024)
 def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_thread: int | None,
                      tunables: tuple) -> RowNormLaunch:
-    block_cols, _ = row_launch_settings(n_cols, max_block=MAX_FUSED_BLOCK)  # read now: a tunable
+    block_cols, _ = row_launch_settings(n_cols)
     fused = block_cols >= n_cols
 
     def rows_per_tile(tile_elements: int) -> int:
