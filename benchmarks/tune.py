@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
-                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_looped,norm_forward_warps,layer_norm_forward,"
+                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_looped,norm_forward_warps,norm_forward_rows,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
@@ -305,6 +305,18 @@ def main(argv: list[str] | None = None) -> int:
                     spec = specs[op]
                     _sweep(op, ops_utils, {"MAX_FUSED_BLOCK": (8192, 2048, 1024)},
                            spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
+        if want("norm_forward_rows"):
+            # Wave quantisation: 16384 rows are 15.5 waves of 132 SMs x 8 programs (LayerNorm,
+            # 4 warps) but 20.7 waves of 132 x 6 (RMSNorm, 8 warps). Rows that fill whole waves
+            # of both (15840 = 132 x 120) against the target and 16896 (= 132 x 128): a time
+            # per row that drops at 15840 says the last partial wave costs. (Session 9: it does
+            # not: LayerNorm 4.43, 4.44, 4.40 ns a row. Forward rows re-read from L1 instead of
+            # held in registers across the reductions, also measured then, gained nothing.)
+            for _ in range(3):
+                for rows in (15840, 16384, 16896):
+                    for op in ("layer_norm", "rms_norm"):
+                        _sweep(f"{op} N={rows} H=4096", ops_utils, [{}], specs[op], {"N": rows, "H": 4096},
+                               dtype, device, cfg, writer, deadline, mode="forward")
         if want("norm_backward"):
             # Backward tile, elements per thread and resident warps, for each norm (full mode),
             # at the target shape and the llama-1b e2e shape.

@@ -13,6 +13,11 @@ each variant given (``hf``, ``liger``): a few warm-up steps, then
 With ``--host``: instead, the host (Python) time of three forward passes under cProfile,
 the functions with the most own and cumulative time, to ``OUT/host_<variant>.txt``.
 
+With ``--steady N``: instead, N training steps run back to back as in the benchmark (no
+host sync between them, so the host may run ahead) under the CUDA-only profiler, with a
+marker kernel at each phase boundary; reports each phase's GPU span, kernel time and idle
+time (mean over the steps after the first), to ``OUT/steady_<variant>.txt``.
+
 Usage: ``python scripts/device/profile_e2e.py --out OUT [--variants hf,liger] [--host]``
 """
 
@@ -87,18 +92,96 @@ def idle_report(prof, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _marker() -> None:
+    torch.cuda._sleep(1)  # a distinctive, negligible kernel that bounds a phase on the GPU timeline
+
+
+def steady_report(model, optimizer, batches: list[torch.Tensor]) -> str:
+    """Per-phase GPU busy and idle time over back-to-back steps (see the module docstring)."""
+    device = batches[0].device
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for ids in batches:
+            _marker()
+            loss = model(input_ids=ids, labels=ids).loss
+            _marker()
+            loss.backward()
+            _marker()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        _marker()
+        torch.cuda.synchronize(device)
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0),
+                    key=lambda e: e.start_ns())
+    marks = [e.start_ns() for e in events if "sleep" in e.name().lower() or "spin" in e.name().lower()]
+    expected = 3 * len(batches) + 1
+    if len(marks) != expected:
+        return f"found {len(marks)} marker kernels, expected {expected}: kernel names {sorted({e.name()[:40] for e in events})[:20]}"
+    totals = {phase: [0.0, 0.0, 0.0, 0] for phase in PHASES}  # span, busy, largest gap, steps
+    gaps: dict[str, list[tuple[float, str, str]]] = {phase: [] for phase in PHASES}
+    kernel_ns: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}
+    for step in range(1, len(batches)):  # the first step starts from an empty queue
+        for k, phase in enumerate(PHASES):
+            begin, end = marks[3 * step + k], marks[3 * step + k + 1]
+            inside = [e for e in events if begin <= e.start_ns() < end]
+            busy, cursor, largest = 0.0, begin, 0.0
+            previous = "marker"
+            for e in inside:
+                start, stop = max(e.start_ns(), cursor), e.start_ns() + e.duration_ns()
+                largest = max(largest, start - cursor)
+                if start - cursor > 0:
+                    gaps[phase].append((start - cursor, previous[:50], e.name()[:50]))
+                kernel_ns[phase][e.name()[:70]] = kernel_ns[phase].get(e.name()[:70], 0.0) + e.duration_ns()
+                previous = e.name()
+                if stop > start:
+                    busy += stop - start
+                    cursor = stop
+            entry = totals[phase]
+            entry[0] += end - begin
+            entry[1] += busy
+            entry[2] = max(entry[2], largest)
+            entry[3] += 1
+    lines = [f"{len(batches)} back-to-back steps, means over steps 2..{len(batches)} (ms)",
+             f"{'phase':10s} {'span':>8s} {'kernels':>8s} {'idle':>8s} {'largest gap':>12s}"]
+    for phase, (span, busy, largest, n) in totals.items():
+        lines.append(f"{phase:10s} {span / n / 1e6:8.3f} {busy / n / 1e6:8.3f} {(span - busy) / n / 1e6:8.3f} "
+                     f"{largest / 1e6:12.3f}")
+    span = sum(t[0] for t in totals.values()) / max(1, len(batches) - 1)
+    busy = sum(t[1] for t in totals.values()) / max(1, len(batches) - 1)
+    lines.append(f"{'step':10s} {span / 1e6:8.3f} {busy / 1e6:8.3f} {(span - busy) / 1e6:8.3f}")
+    steps = max(1, len(batches) - 1)
+    for phase in PHASES:
+        lines.append(f"\n{phase}: kernel time per step by kernel (top 15, ms)")
+        for name, ns in sorted(kernel_ns[phase].items(), key=lambda kv: -kv[1])[:15]:
+            lines.append(f"  {ns / steps / 1e6:8.3f}  {name}")
+        by_pair: dict[tuple[str, str], list[float]] = {}
+        for g, before, after in gaps[phase]:
+            entry = by_pair.setdefault((before, after), [0.0, 0])
+            entry[0] += g
+            entry[1] += 1
+        lines.append(f"{phase}: idle per step by (previous kernel -> next kernel) (top 15, us, gaps per step)")
+        for (before, after), (g, n) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:15]:
+            lines.append(f"  {g / steps / 1e3:8.1f} {n / steps:6.1f}  {before} -> {after}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="hf,liger")
     p.add_argument("--rows", type=int, default=45)
     p.add_argument("--host", action="store_true")
+    p.add_argument("--steady", type=int, default=0, help="profile this many back-to-back steps by phase")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     config = build_config("llama-1b")
     torch.manual_seed(0)
-    batches = token_batches(4, 4, 2048, config.vocab_size, 0, device)
+    batches = token_batches(max(4, args.steady + 2), 4, 2048, config.vocab_size, 0, device)
     for variant in args.variants.split(","):
         model = build_model(config, device, torch.bfloat16)
         if variant.startswith("liger"):
@@ -111,6 +194,13 @@ def main() -> int:
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if args.steady:
+            text = f"# {variant}\n{steady_report(model, optimizer, batches[2:2 + args.steady])}\n"
+            (args.out / f"steady_{variant}.txt").write_text(text)
+            print(text, flush=True)
+            del model, optimizer
+            torch.cuda.empty_cache()
+            continue
         if args.host:
             import cProfile
             import io

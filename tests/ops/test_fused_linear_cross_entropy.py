@@ -508,3 +508,22 @@ def test_past_int32_rows_times_vocab():
     ref = F.cross_entropy(x[tail].double() @ weight.double().t(), target[tail], reduction="none")
     assert_loss_close(loss[tail], ref, 1)
 
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 2**40])
+@pytest.mark.parametrize("class_weights", [False, True])
+def test_bad_target_raises_after_the_chunks_without_touching_inputs(monkeypatch, bad, class_weights):
+    """The range check's verdict is awaited after the chunk loop is queued (so the GPU is
+    not drained first): a bad target in a later chunk still raises, naming the index, and
+    leaves the inputs and any existing weight gradient untouched."""
+    monkeypatch.setattr(flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 4 * 10 * 4)  # chunks of 4 rows
+    x, weight, _, target = make_problem(11, 8, 10, torch.float32, False)
+    target[9] = bad
+    weight = weight.detach().requires_grad_(True)
+    weight.grad = torch.ones_like(weight)
+    x_before, weight_before = x.detach().clone(), weight.detach().clone()
+    ce_weight = torch.rand(10, device=DEVICE) + 0.5 if class_weights else None
+    with pytest.raises(ValueError, match=f"class index {bad} outside"):
+        liger_fused_linear_cross_entropy(x, weight, target, ce_weight=ce_weight)
+    assert torch.equal(x.detach(), x_before) and torch.equal(weight.detach(), weight_before)
+    assert torch.equal(weight.grad, torch.ones_like(weight))

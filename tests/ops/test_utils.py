@@ -107,3 +107,25 @@ def test_row_norm_launch_reads_max_fused_block_at_call_time(monkeypatch):
     launch = ops_utils.row_norm_launch(4, 1000, torch.device(DEVICE))
     assert not launch.fused and launch.block_cols == 256
     assert ops_utils.row_launch_settings(1000)[0] == 256
+
+
+def test_next_power_of_2_matches_triton():
+    import triton
+
+    from liger_kernel.ops.utils import next_power_of_2
+
+    for n in [*range(0, 300), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
+
+
+def test_gated_launch_geometry_reads_tunables_at_call_time(monkeypatch):
+    """The memoised gated-MLP launch geometry is keyed on the tunables, so changing one
+    (as ``benchmarks.tune`` does) takes effect at the next launch."""
+    import liger_kernel.ops.swiglu as swiglu_ops
+
+    default = swiglu_ops._launch_geometry(64, 4096)
+    monkeypatch.setattr(swiglu_ops, "GATED_MAX_BLOCK_COLS", 256)
+    narrow = swiglu_ops._launch_geometry(64, 4096)
+    assert narrow[1] == 256 and narrow != default
+    monkeypatch.setattr(swiglu_ops, "GATED_MAX_BLOCK_COLS", 1024)
+    assert swiglu_ops._launch_geometry(64, 4096) == default

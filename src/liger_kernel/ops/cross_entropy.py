@@ -60,6 +60,7 @@ from liger_kernel.ops.utils import (
     launch_kernel,
     liger_custom_op,
     multiprocessor_count,
+    next_power_of_2,
     num_programs_for_rows,
     row_launch_settings,
     scale_gradient,
@@ -585,7 +586,7 @@ def launch_cross_entropy_kernel(
         per_sm = min(CE_SPLIT_PROGRAMS_PER_SM, _split_programs_per_sm.get(occupancy_key, 1))
         groups = max(1, min(n_rows, multiprocessor_count(device) * per_sm // split))
         grid = (groups * split,)
-        split_pow2 = triton.next_power_of_2(split)
+        split_pow2 = next_power_of_2(split)
         stats = torch.empty(groups * 2 * split_pow2 * _STATS, dtype=torch.float32, device=device)
         arrivals = torch.zeros(groups, dtype=torch.int32, device=device)
         extra = {"launch_cooperative_grid": True}
@@ -684,7 +685,7 @@ def row_split(n_cols: int, element_size: int, device: torch.device) -> int:
     if n_cols * element_size < CE_SPLIT_MIN_ROW_BYTES:
         return 1
     split = cdiv(n_cols, CE_SPLIT_BLOCK)
-    block = triton.next_power_of_2(cdiv(n_cols, split))
+    block = next_power_of_2(cdiv(n_cols, split))
     split = cdiv(n_cols, block)
     if split > multiprocessor_count(device) * CE_SPLIT_PROGRAMS_PER_SM:
         return 1
@@ -829,6 +830,62 @@ def check_target(
     captured, where a host sync would break the graph; the kernel never addresses memory
     with a bad target anyway and gives it a NaN loss.
     """
+    start_target_check(target, n_rows, n_cols, ignore_index, name).wait()
+
+
+class PendingTargetCheck:
+    """The value-range check of a target, started on the device; :meth:`wait` raises.
+
+    Waiting right after starting is a host sync that drains the GPU's queue, so the GPU
+    idles while the host launches the next kernels. A caller that launches its kernels
+    first (they never address memory with a bad target) and waits afterwards keeps the GPU
+    busy: by then the check's result is usually long computed.
+    """
+
+    __slots__ = ("_bad", "_flag", "_event", "_target", "_n_cols", "_ignore_index", "_name")
+
+    def __init__(self, target: torch.Tensor | None, n_cols: int = 0, ignore_index: int = -100,
+                 name: str = "target") -> None:
+        self._target, self._n_cols, self._ignore_index, self._name = target, n_cols, ignore_index, name
+        self._bad = self._flag = self._event = None
+        if target is None:
+            return
+        self._bad = ((target != ignore_index) & ((target < 0) | (target >= n_cols))).any()
+        if target.is_cuda:
+            # Copy the verdict into pinned host memory behind the work queued so far.
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(self._bad, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        """Block until the check has run; raise ``ValueError`` naming a bad class index."""
+        if self._bad is None:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+            bad = bool(self._flag)
+        else:
+            bad = bool(self._bad)
+        if bad:
+            target = self._target
+            outside = (target != self._ignore_index) & ((target < 0) | (target >= self._n_cols))
+            first = int(target[outside][0])
+            raise ValueError(
+                f"{self._name} contains class index {first} outside [0, {self._n_cols}) that is not "
+                f"ignore_index={self._ignore_index}"
+            )
+
+
+def start_target_check(
+    target: torch.Tensor, n_rows: int, n_cols: int, ignore_index: int, name: str = "target"
+) -> PendingTargetCheck:
+    """Shape/dtype checks for class-index targets (raised at once) and the value-range check,
+    started on the device and returned unfinished: call ``.wait()`` to raise on a bad value.
+
+    Skipped (a check that passes) while ``torch.compile`` traces or a CUDA graph is being
+    captured, where a host sync would break the graph.
+    """
     check_tensor(target, name)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} must hold class indices as int64 (or int32), got dtype {target.dtype}")
@@ -837,15 +894,10 @@ def check_target(
     if target.shape[0] != n_rows:
         raise ValueError(f"{name} has {target.shape[0]} entries but the input has {n_rows} rows")
     if torch.compiler.is_compiling() or n_rows == 0:
-        return
+        return PendingTargetCheck(None)
     if target.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
-    if bool(bad.any()):
-        first = int(target[bad][0])
-        raise ValueError(
-            f"{name} contains class index {first} outside [0, {n_cols}) that is not ignore_index={ignore_index}"
-        )
+        return PendingTargetCheck(None)
+    return PendingTargetCheck(target, n_cols, ignore_index, name)
 
 
 def check_loss_options(

@@ -36,9 +36,9 @@ import torch
 from liger_kernel.ops.cross_entropy import (
     check_class_weight,
     check_loss_options,
-    check_target,
     launch_cross_entropy_kernel,
     mean_denominators,
+    start_target_check,
 )
 from liger_kernel.ops.utils import (
     check_float_dtype,
@@ -452,7 +452,10 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         )
         check_class_weight(ce_weight, n_cols, "ce_weight")
         softcap_value = check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
-        check_target(target, n_rows, n_cols, ignore_index)
+        # The range check's verdict is awaited only after the chunk loop is queued: waiting
+        # first would drain the GPU's queue (a bad target never addresses memory; the
+        # results computed with one are discarded by the raise).
+        target_check = start_target_check(target, n_rows, n_cols, ignore_index)
         x = _input.contiguous()
         accum_fp32 = accum_dtype == torch.float32 and weight.dtype != torch.float32
         # needs_input_grad covers only the arguments given to apply (bias may be omitted).
@@ -474,6 +477,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
             needs_bias and in_forward,
             accum_fp32,
         )
+        target_check.wait()
         ctx.reduction = reduction
         ctx.needs = (bool(needs_input), bool(needs_weight), needs_bias)
         if in_forward:

@@ -63,6 +63,7 @@ from liger_kernel.ops.utils import (
     is_interpreter,
     launch_kernel,
     liger_custom_op,
+    next_power_of_2,
     row_launch_settings,
 )
 
@@ -193,12 +194,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     rot_half = cos.shape[-1] // 2
     if batch == 0 or seq_len == 0 or head_dim == 0 or (n_q_heads == 0 and n_k_heads == 0):
         return
-    block_half = triton.next_power_of_2(rot_half)
-    block_pass = triton.next_power_of_2(max(head_dim - 2 * rot_half, 1))
-    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), ROPE_MAX_BLOCK_HEADS)
-    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), ROPE_MAX_BLOCK_HEADS)
+    block_half = next_power_of_2(rot_half)
+    block_pass = next_power_of_2(max(head_dim - 2 * rot_half, 1))
+    block_hq = min(next_power_of_2(max(n_q_heads, 1)), ROPE_MAX_BLOCK_HEADS)
+    block_hk = min(next_power_of_2(max(n_k_heads, 1)), ROPE_MAX_BLOCK_HEADS)
     per_position = max(block_hq, block_hk) * block_half
-    block_t = min(max(1, ROPE_TILE_ELEMENTS // per_position), triton.next_power_of_2(seq_len))
+    block_t = min(max(1, ROPE_TILE_ELEMENTS // per_position), next_power_of_2(seq_len))
     _, num_warps = row_launch_settings(block_t * per_position, max_block=MAX_BLOCK)
     cos_sb, cos_st = _table_strides(cos)
     sin_sb, sin_st = _table_strides(sin)

@@ -50,6 +50,7 @@ fails loudly in autograd instead of reading the overwritten values.
 Empty inputs give empty outputs and gradients.
 """
 
+import functools
 import math
 from types import SimpleNamespace
 from typing import Tuple
@@ -60,6 +61,7 @@ import triton.language as tl
 
 from liger_kernel.ops.utils import (
     MAX_BLOCK,
+    MAX_FUSED_BLOCK,
     _row_norm_round,
     as_rows,
     cdiv,
@@ -69,6 +71,7 @@ from liger_kernel.ops.utils import (
     is_interpreter,
     launch_kernel,
     liger_custom_op,
+    next_power_of_2,
     row_launch_settings,
 )
 
@@ -164,10 +167,21 @@ def gated_activation_backward_kernel(
 
 
 def _launch_geometry(n_rows: int, n_cols: int) -> Tuple[int, int, int, int]:
-    """``(BLOCK_ROWS, BLOCK_COLS, num_warps, n_tiles)`` for an (n_rows, n_cols) problem."""
-    block_cols, _ = row_launch_settings(n_cols, max_block=GATED_MAX_BLOCK_COLS)
-    block_rows = min(max(1, GATED_TILE_ELEMENTS // block_cols), triton.next_power_of_2(max(n_rows, 1)))
-    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    """``(BLOCK_ROWS, BLOCK_COLS, num_warps, n_tiles)`` for an (n_rows, n_cols) problem.
+
+    Memoised on the shape and the tunables (a training step asks for the same few shapes
+    every layer, and host time here shows as GPU idle time in a host-bound forward).
+    """
+    return _memoised_launch_geometry(n_rows, n_cols, GATED_TILE_ELEMENTS, GATED_MAX_BLOCK_COLS, MAX_BLOCK,
+                                     MAX_FUSED_BLOCK, is_interpreter())
+
+
+@functools.lru_cache(maxsize=1024)
+def _memoised_launch_geometry(n_rows: int, n_cols: int, tile_elements: int, max_block_cols: int, max_block: int,
+                              *tunables) -> Tuple[int, int, int, int]:
+    block_cols, _ = row_launch_settings(n_cols, max_block=max_block_cols)
+    block_rows = min(max(1, tile_elements // block_cols), next_power_of_2(n_rows))
+    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=max_block)
     n_tiles = cdiv(n_rows, block_rows) * cdiv(n_cols, block_cols)
     return block_rows, block_cols, num_warps, n_tiles
 
@@ -339,6 +353,9 @@ def _in_place_is_safe(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether da/db may be written over a/b (see the module docstring)."""
     if a.is_leaf or b.is_leaf:
         return False
+    if (a.is_contiguous() and b.is_contiguous()
+            and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()):
+        return True  # the common case (two projections' outputs): no aliasing at all
     a_rows, b_rows = _rows(a), _rows(b)
     # as_rows copies a view it cannot flatten; writing into such a copy would not alias a.
     if a_rows.data_ptr() != a.data_ptr() or b_rows.data_ptr() != b.data_ptr():

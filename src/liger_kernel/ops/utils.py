@@ -69,7 +69,7 @@ def row_launch_settings(n_cols: int, max_block: int | None = None) -> tuple[int,
         max_block = MAX_FUSED_BLOCK
     if n_cols < 1:
         n_cols = 1
-    block = min(triton.next_power_of_2(n_cols), max_block)
+    block = min(next_power_of_2(n_cols), max_block)
     if block >= 32768:
         warps = 32
     elif block >= 8192:
@@ -97,6 +97,16 @@ def _persistent_grid(n_units: int, n_sms: int, programs_per_sm: float) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), for launch geometry on the host.
+
+    Same values as ``triton.next_power_of_2``, which Triton >= 3.4 wraps as a constexpr
+    function costing ~3 us a call: launchers run per layer per step, where host time
+    shows up as GPU idle time.
+    """
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 # --------------------------------------------------------------------------------------
@@ -466,7 +476,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
         if not fused:
             return 1
         return min(max(1, tile_elements // block_cols), ROW_NORM_MAX_ROWS_PER_TILE,
-                   triton.next_power_of_2(max(n_rows, 1)))
+                   next_power_of_2(n_rows))
 
     block_rows = rows_per_tile(ROW_NORM_TILE_ELEMENTS)
     backward_block_rows = rows_per_tile(min(ROW_NORM_BACKWARD_TILE_ELEMENTS, max(
@@ -491,7 +501,7 @@ def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_
 
 def _warps_for(tile_elements: int, elements_per_thread: int) -> int:
     """Warps (a power of two in [1, 32]) giving each thread about ``elements_per_thread``."""
-    return triton.next_power_of_2(max(1, min(32, tile_elements // (32 * elements_per_thread))))
+    return next_power_of_2(max(1, min(32, tile_elements // (32 * elements_per_thread))))
 
 
 @triton.jit
