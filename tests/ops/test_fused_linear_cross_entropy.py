@@ -55,7 +55,7 @@ OPTION_SETS = {
 @pytest.fixture
 def four_row_chunks(monkeypatch):
     """Chunks of 4 rows, so small problems cross several chunk boundaries (and a ragged last one)."""
-    monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda n_rows, n_cols, size: min(4, max(1, n_rows)))
+    monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda n_rows, n_cols, size, *_: min(4, max(1, n_rows)))
 
 
 def make_problem(n_rows, hidden, vocab, dtype, with_bias, ignore_index=-100, ignore_fraction=0.25):
@@ -220,7 +220,7 @@ def run_and_compare(
 def test_matches_torch(n_rows, hidden, vocab, dtype, reduction, options, monkeypatch):
     if vocab < 1024 or not FULL_SHAPES:
         # Small problems use 8-row chunks to cross chunk boundaries; full shapes the real budget.
-        monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda rows, cols, size: min(8, max(1, rows)))
+        monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda rows, cols, size, *_: min(8, max(1, rows)))
     options = dict(OPTION_SETS[options])
     with_bias = options.pop("with_bias")
     x, weight, bias, target = make_problem(
@@ -369,10 +369,18 @@ def test_empty_batch():
 
 def test_chunk_rows_for_budget(monkeypatch):
     monkeypatch.setattr(flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 96 * 2**20)
+    monkeypatch.setattr(flce_ops, "FLCE_CHUNK_FLOOR_FRACTION", 0.085)
     rows = chunk_rows_for(8192, 128256, 2)
-    assert rows % 128 == 0 and rows * 128256 * 2 <= 96 * 2**20
+    assert rows == 384 and rows * 128256 * 2 <= 96 * 2**20
+    assert chunk_rows_for(8192, 262144, 2) == 192  # 96 MiB, rounded to a multiple of 64
     assert chunk_rows_for(10, 128256, 2) == 10
     assert chunk_rows_for(8192, 262144 * 64, 4) == 1
+    # A large dW lifts the budget to its fraction of the floor: 0.085 x (2 GiB + 64 MiB).
+    floor = 262144 * 4096 * 2 + 8192 * 4096 * 2
+    rows = chunk_rows_for(8192, 262144, 2, floor)
+    assert rows == 320 and rows * 262144 * 2 <= 0.085 * floor
+    # The target shape's floor (1066 MiB) keeps the 96 MiB minimum.
+    assert chunk_rows_for(8192, 128256, 2, 128256 * 4096 * 2 + 8192 * 4096 * 2) == 384
     monkeypatch.setattr(flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 100 * 1007 * 4)
     assert chunk_rows_for(1000, 1007, 4) == 64
 
@@ -454,7 +462,7 @@ def test_property_random_options(
     lse_square_scale,
 ):
     original = flce_ops.chunk_rows_for
-    flce_ops.chunk_rows_for = lambda rows, cols, size: max(1, min(chunk, rows))
+    flce_ops.chunk_rows_for = lambda rows, cols, size, *_: max(1, min(chunk, rows))
     try:
         x, weight, bias, target = make_problem(n_rows, hidden, vocab, dtype, with_bias)
         run_and_compare(

@@ -14,7 +14,7 @@ from tests.utils import DEVICE
 
 @pytest.fixture(autouse=True)
 def _small_chunks(monkeypatch):
-    monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda n_rows, n_cols, size: min(5, max(1, n_rows)))
+    monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda n_rows, n_cols, size, *_: min(5, max(1, n_rows)))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
