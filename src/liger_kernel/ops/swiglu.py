@@ -61,7 +61,6 @@ import triton.language as tl
 
 from liger_kernel.ops.utils import (
     MAX_BLOCK,
-    MAX_FUSED_BLOCK,
     _row_norm_round,
     as_rows,
     cdiv,
@@ -173,12 +172,13 @@ def _launch_geometry(n_rows: int, n_cols: int) -> Tuple[int, int, int, int]:
     every layer, and host time here shows as GPU idle time in a host-bound forward).
     """
     return _memoised_launch_geometry(n_rows, n_cols, GATED_TILE_ELEMENTS, GATED_MAX_BLOCK_COLS, MAX_BLOCK,
-                                     MAX_FUSED_BLOCK, is_interpreter())
+                                     is_interpreter())
 
 
 @functools.lru_cache(maxsize=1024)
 def _memoised_launch_geometry(n_rows: int, n_cols: int, tile_elements: int, max_block_cols: int, max_block: int,
-                              *tunables) -> Tuple[int, int, int, int]:
+                              interpreter: bool) -> Tuple[int, int, int, int]:
+    # ``interpreter`` only keys the cache: row_launch_settings' warps depend on it.
     block_cols, _ = row_launch_settings(n_cols, max_block=max_block_cols)
     block_rows = min(max(1, tile_elements // block_cols), next_power_of_2(n_rows))
     _, num_warps = row_launch_settings(block_rows * block_cols, max_block=max_block)
