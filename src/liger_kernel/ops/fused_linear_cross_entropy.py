@@ -15,9 +15,11 @@ per chunk, ``Z_c = X_c W^T (+ b)`` (cuBLAS, written into the reused buffer), the
 cross-entropy kernel overwrites ``Z_c`` with ``G_c`` in place, then ``dX_c = G_c W`` is
 written into its rows of dX and ``dW += G_c^T X_c`` is accumulated in place (``addmm_``,
 ``beta = 1``; the first chunk writes dW outright) into a preallocated dW, so no temporary
-of dW's size appears. ``C`` comes from
-:data:`FLCE_CHUNK_BUDGET_BYTES` and :data:`FLCE_CHUNK_FLOOR_FRACTION`. The mean's denominators are computed once for the whole
-batch on the device, so the chunk loop never syncs with the host.
+of dW's size appears. ``C`` is what fits the larger of :data:`FLCE_CHUNK_BUDGET_BYTES` and
+:data:`FLCE_CHUNK_FLOOR_FRACTION` of the dW + dX bytes: each chunk re-reads and re-writes dW,
+so time falls as ``C`` grows and memory rises. The mean's denominators are computed once for
+the whole batch on the device, so the chunk loop never syncs with the host; the target range
+check (which must sync to raise) is awaited only after the loop is queued.
 
 For ``"mean"``/``"sum"`` these gradients are computed in the forward pass and backward
 only multiplies them by the (scalar) upstream gradient. For ``"none"`` the upstream
