@@ -21,14 +21,15 @@ Usage: ``python scripts/device/layer_norm_forward_variants.py --out OUT [--round
 
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variant_timing  # noqa: E402
 
 
 @triton.jit
@@ -133,6 +134,16 @@ def measure_shape(n: int, d: int, rounds: int, rows: list[dict]) -> None:
         "lib layer_norm no bias": lambda: layer_norm_forward(x, w, None, eps),
     }
     y_ref, mean_ref, rstd_ref = layer_norm_forward(x, w, b, eps)
+
+    def check(name: str, fn) -> None:
+        """Compare fn's (y, mean, rstd) with the library's, record it, add fn to the variants."""
+        y, mean, rstd = fn()
+        status = (f"max|dy| {(y.float() - y_ref.float()).abs().max().item():.3g}, "
+                  f"max rel drstd {((rstd - rstd_ref).abs() / rstd_ref).max().item():.3g}, "
+                  f"max|dmean| {(mean - mean_ref).abs().max().item():.3g}")
+        print(f"{n}x{d} {name}: {status}", flush=True)
+        rows.append({"shape": f"{n}x{d}", "variant": name + " check", "status": status})
+        variants[name] = fn
     for warps in (4, 8, 16):
         for vec in (8, 16):
             name = f"one-reduction layer_norm warps={warps} vec={vec}"
@@ -140,13 +151,7 @@ def measure_shape(n: int, d: int, rounds: int, rows: list[dict]) -> None:
             def fn(warps=warps, vec=vec):
                 return layer_norm_forward_one_reduction(x, w, b, eps, warps, vec)
 
-            y, mean, rstd = fn()
-            status = (f"max|dy| {(y.float() - y_ref.float()).abs().max().item():.3g}, "
-                      f"max rel drstd {((rstd - rstd_ref).abs() / rstd_ref).max().item():.3g}, "
-                      f"max|dmean| {(mean - mean_ref).abs().max().item():.3g}")
-            print(f"{n}x{d} {name}: {status}", flush=True)
-            rows.append({"shape": f"{n}x{d}", "variant": name + " check", "status": status})
-            variants[name] = fn
+            check(name, fn)
     for warps in (4, 8):
         variants[f"one-reduction layer_norm warps={warps} vec=8 no bias"] = (
             lambda warps=warps: layer_norm_forward_one_reduction(x, w, None, eps, warps, 8))
@@ -156,43 +161,9 @@ def measure_shape(n: int, d: int, rounds: int, rows: list[dict]) -> None:
         def fn(warps=warps, per_sm=per_sm):
             return layer_norm_forward_resident(x, w, b, eps, warps, per_sm)
 
-        y, mean, rstd = fn()
-        status = (f"max|dy| {(y.float() - y_ref.float()).abs().max().item():.3g}, "
-                  f"max rel drstd {((rstd - rstd_ref).abs() / rstd_ref).max().item():.3g}, "
-                  f"max|dmean| {(mean - mean_ref).abs().max().item():.3g}")
-        print(f"{n}x{d} {name}: {status}", flush=True)
-        rows.append({"shape": f"{n}x{d}", "variant": name + " check", "status": status})
-        variants[name] = fn
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            times[name].append(triton.testing.do_bench(fn, warmup=50, rep=300))
-    copy_ms = min(times["copy"])
-    for name, ts in times.items():
-        print(f"{n}x{d} {name:45s} {' '.join(f'{t:.4f}' for t in ts)} ms  vs copy {copy_ms / min(ts):.3f}",
-              flush=True)
-        rows.append({"shape": f"{n}x{d}", "variant": name, "median_ms_per_round": " ".join(f"{t:.5f}" for t in ts),
-                     "same_size_copy_ratio": f"{copy_ms / min(ts):.3f}", "status": "ok"})
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    for n, d in ((16384, 4096), (8192, 2048)):
-        measure_shape(n, d, args.rounds, rows)
-        torch.cuda.empty_cache()
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat()}
-    with open(args.out / "layer_norm_forward_variants.csv", "w", newline="") as fh:
-        fields = [*meta, "shape", "variant", "median_ms_per_round", "same_size_copy_ratio", "status"]
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows({**meta, **row} for row in rows)
+        check(name, fn)
+    variant_timing.time_variants(variants, f"{n}x{d}", rounds, rows)
 
 
 if __name__ == "__main__":
-    main()
+    variant_timing.main(measure_shape, "layer_norm_forward_variants.csv", __doc__.split("\n\n")[0])

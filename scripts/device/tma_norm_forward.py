@@ -22,16 +22,17 @@ Usage: ``python scripts/device/tma_norm_forward.py --out OUT [--rounds 3]``
 
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
 import itertools
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variant_timing  # noqa: E402
 
 
 @triton.jit
@@ -104,36 +105,8 @@ def measure_shape(n: int, d: int, rounds: int, rows: list[dict]) -> None:
         variants[name] = fn
         print(f"{n}x{d} {name}: max |diff| vs library {diff:.3g}", flush=True)
         rows.append({"shape": f"{n}x{d}", "variant": name + " check", "status": f"max|diff| {diff:.3g}"})
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            times[name].append(triton.testing.do_bench(fn, warmup=50, rep=300))
-    copy_ms = min(times["copy"])
-    for name, ts in times.items():
-        best = min(ts)
-        print(f"{n}x{d} {name:50s} {' '.join(f'{t:.4f}' for t in ts)} ms  eff {copy_ms / best:.3f}", flush=True)
-        rows.append({"shape": f"{n}x{d}", "variant": name, "median_ms_per_round": " ".join(f"{t:.5f}" for t in ts),
-                     "same_size_copy_ratio": f"{copy_ms / best:.3f}", "status": "ok"})
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    for n, d in ((16384, 4096), (8192, 2048)):
-        measure_shape(n, d, args.rounds, rows)
-        torch.cuda.empty_cache()
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat()}
-    with open(args.out / "tma_norm_forward.csv", "w", newline="") as fh:
-        fields = [*meta, "shape", "variant", "median_ms_per_round", "same_size_copy_ratio", "status"]
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows({**meta, **row} for row in rows)
+    variant_timing.time_variants(variants, f"{n}x{d}", rounds, rows)
 
 
 if __name__ == "__main__":
-    main()
+    variant_timing.main(measure_shape, "tma_norm_forward.csv", __doc__.split("\n\n")[0])
