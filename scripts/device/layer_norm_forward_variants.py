@@ -120,19 +120,10 @@ def layer_norm_forward_one_reduction(x, w, b, eps, warps: int, vec: int = 8):
 
 def measure_shape(n: int, d: int, rounds: int, rows: list[dict]) -> None:
     from liger_kernel.ops.layer_norm import layer_norm_forward
-    from liger_kernel.ops.rms_norm import rms_norm_forward
 
-    device, bf16, eps = torch.device("cuda"), torch.bfloat16, 1e-6
-    x = torch.randn(n, d, device=device, dtype=bf16) * 3 + 1
-    w = torch.rand(d, device=device, dtype=bf16) + 0.5
-    b = torch.randn(d, device=device, dtype=bf16)
-    copy_dst = torch.empty_like(x)
-    variants = {
-        "copy": lambda: copy_dst.copy_(x),
-        "lib layer_norm": lambda: layer_norm_forward(x, w, b, eps),
-        "lib rms_norm": lambda: rms_norm_forward(x, w, eps, 0.0, "llama"),
-        "lib layer_norm no bias": lambda: layer_norm_forward(x, w, None, eps),
-    }
+    eps = variant_timing.EPS
+    x, w, b, variants = variant_timing.norm_case(n, d, scale=3.0, shift=1.0)
+    variants["lib layer_norm no bias"] = lambda: layer_norm_forward(x, w, None, eps)
     y_ref, mean_ref, rstd_ref = layer_norm_forward(x, w, b, eps)
 
     def check(name: str, fn) -> None:

@@ -78,16 +78,8 @@ def measure_shape(n: int, d: int, rounds: int, rows: list[dict]) -> None:
     from liger_kernel.ops.layer_norm import layer_norm_forward
     from liger_kernel.ops.rms_norm import rms_norm_forward
 
-    device, bf16, eps = torch.device("cuda"), torch.bfloat16, 1e-6
-    x = torch.randn(n, d, device=device, dtype=bf16)
-    w = torch.rand(d, device=device, dtype=bf16) + 0.5
-    b = torch.randn(d, device=device, dtype=bf16)
-    copy_dst = torch.empty_like(x)
-    variants = {
-        "copy": lambda: copy_dst.copy_(x),
-        "lib layer_norm": lambda: layer_norm_forward(x, w, b, eps),
-        "lib rms_norm": lambda: rms_norm_forward(x, w, eps, 0.0, "llama"),
-    }
+    eps = variant_timing.EPS
+    x, w, b, variants = variant_timing.norm_case(n, d)
     expected = {True: layer_norm_forward(x, w, b, eps)[0], False: rms_norm_forward(x, w, eps, 0.0, "llama")[0]}
     for center, seg, warps, store_tma in itertools.product((True, False), (128, 256), (4, 8), (False, True)):
         name = (f"tma {'layer_norm' if center else 'rms_norm'} seg={seg} warps={warps} "

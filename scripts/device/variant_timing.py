@@ -17,6 +17,29 @@ from pathlib import Path
 import torch
 import triton
 
+EPS = 1e-6
+
+
+def norm_case(n: int, d: int, scale: float = 1.0, shift: float = 0.0):
+    """bf16 inputs of the norm experiments and their baselines: ``(x, w, b, variants)`` with x
+    (n, d) ~ scale * N(0, 1) + shift, weight in [0.5, 1.5), a normal bias, and ``variants``
+    holding the same-size ``copy`` and the library's LayerNorm and RMSNorm ("llama") forwards."""
+    from liger_kernel.ops.layer_norm import layer_norm_forward
+    from liger_kernel.ops.rms_norm import rms_norm_forward
+
+    device, bf16 = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(n, d, device=device, dtype=bf16) * scale + shift
+    w = torch.rand(d, device=device, dtype=bf16) + 0.5
+    b = torch.randn(d, device=device, dtype=bf16)
+    copy_dst = torch.empty_like(x)
+    variants = {
+        "copy": lambda: copy_dst.copy_(x),
+        "lib layer_norm": lambda: layer_norm_forward(x, w, b, EPS),
+        "lib rms_norm": lambda: rms_norm_forward(x, w, EPS, 0.0, "llama"),
+    }
+    return x, w, b, variants
+
+
 FIELDS = ["shape", "variant", "median_ms_per_round", "same_size_copy_ratio", "status"]
 
 
