@@ -11,6 +11,8 @@ Variants (``--variants``, comma list):
   nocheck      the fused loss skips its target-range check (the one host sync per forward);
                for measuring what that sync costs, never for training
   chunk256     ``FLCE_CHUNK_BUDGET_BYTES = 256 MiB``
+  regionhooks  the norm-output recompute's saved-tensor hooks over the whole decoder forward
+               (``causal_lm.RECOMPUTE_SCOPE = "region"``, the scope before 2026-12-05)
 
 Usage: ``python scripts/device/ab_e2e.py [--variants base,nocheck] [--rounds 2] [--steps 10] [--csv F]``
 """
@@ -33,24 +35,27 @@ from benchmarks.e2e_training import build_config, build_model, make_optimizer, t
 def variant_settings(name: str):
     """Module attributes set for the variant (restored afterwards) and the patch kwargs."""
     import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
+    import liger_kernel.transformers.causal_lm as causal_lm
 
-    overrides, patch_kwargs = {}, {}
+    overrides, patch_kwargs = [], {}
     if name == "norecompute":
         patch_kwargs["recompute_norm_outputs"] = False
     elif name == "nocheck":
-        overrides["check_target"] = lambda *args, **kwargs: None
+        overrides.append((flce_ops, "check_target", lambda *args, **kwargs: None))
     elif name == "chunk256":
-        overrides["FLCE_CHUNK_BUDGET_BYTES"] = 256 * 2**20
+        overrides.append((flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 256 * 2**20))
+    elif name == "regionhooks":
+        overrides.append((causal_lm, "RECOMPUTE_SCOPE", "region"))
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r}")
-    saved = {key: getattr(flce_ops, key) for key in overrides}
-    for key, value in overrides.items():
-        setattr(flce_ops, key, value)
+    saved = [(module, key, getattr(module, key)) for module, key, _ in overrides]
+    for module, key, value in overrides:
+        setattr(module, key, value)
     try:
         yield patch_kwargs
     finally:
-        for key, value in saved.items():
-            setattr(flce_ops, key, value)
+        for module, key, value in saved:
+            setattr(module, key, value)
 
 
 def main() -> int:

@@ -8,8 +8,10 @@ forward pre-hook on the first decoder layer queues ``torch.cuda._sleep`` (a head
 launch cost, and CUDA events at every layer boundary give the GPU's time per layer.
 
 Variants: ``hf`` (unpatched), ``liger`` (``apply_liger_kernel_to_llama``), ``liger-norecompute``
-(the patch without ``recompute_norm_outputs``), ``liger-tritonlaunch`` (every kernel through
-``kernel[grid]`` instead of the cached launcher). Per variant: host and GPU ms per layer
+(the patch without ``recompute_norm_outputs``), ``liger-regionhooks`` (the recompute's
+saved-tensor hooks over the whole decoder forward, the scope before 2026-12-05, instead of
+only inside the projections), ``liger-tritonlaunch`` (every kernel through ``kernel[grid]``
+instead of the cached launcher). Per variant: host and GPU ms per layer
 (median over layers 1..15 of three forwards), and a cProfile of one forward's layers (own
 time), to ``OUT/host_layers.txt``.
 
@@ -82,7 +84,7 @@ class LayerClock:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--variants", default="hf,liger,liger-norecompute,liger-tritonlaunch")
+    p.add_argument("--variants", default="hf,liger,liger-regionhooks,liger-norecompute")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -92,8 +94,10 @@ def main() -> int:
     report = []
     for variant in args.variants.split(","):
         import liger_kernel.ops.utils as ops_utils
+        import liger_kernel.transformers.causal_lm as causal_lm
 
         ops_utils.FAST_LAUNCH = variant != "liger-tritonlaunch"
+        causal_lm.RECOMPUTE_SCOPE = "region" if variant == "liger-regionhooks" else "consumers"
         model = build_model(config, device, torch.bfloat16)
         if variant.startswith("liger"):
             from liger_kernel.transformers import apply_liger_kernel_to_llama

@@ -132,6 +132,31 @@ def test_traces_as_one_graph(model_type: str, class_level: bool) -> None:
     _assert_same_step(model, eager, loss, eager_loss, f"{model_type} traced")
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_traces_after_an_eager_step(model_type: str) -> None:
+    """An eager training step first hooks the norm consumers (the recompute's module hooks:
+    every ``nn.Linear``, Mixtral's router); compiling the same model afterwards must still
+    trace as one graph (the hooks return at once there) with the eager step's results."""
+    batch = _batch()
+    model = _patched_model(model_type)
+    eager_loss = model(**batch).loss
+    eager_loss.backward()
+    assert model.__dict__.get("_liger_consumer_hooks")
+    assert model.lm_head._forward_pre_hooks
+    eager_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    def capture(gm: torch.fx.GraphModule, example_inputs) -> object:
+        return gm.forward
+
+    loss = torch.compile(model, fullgraph=True, backend=capture)(**batch).loss
+    loss.backward()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0.0)
+    for name, param in model.named_parameters():
+        assert rel_error(param.grad, eager_grads[name]) <= 1e-5, name
+
+
 @pytest.mark.parametrize("model_type", COMPILE_FAMILIES)
 def test_compiled_matches_eager(model_type: str) -> None:
     overrides = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liger_kernel.transformers.layer_norm import LigerLayerNorm
-from liger_kernel.transformers.recompute import recompute_norm_outputs
+from liger_kernel.transformers.recompute import hook_norm_consumers, recompute_norm_outputs
 from liger_kernel.transformers.rms_norm import LigerRMSNorm
 from tests.utils import DEVICE
 
@@ -59,22 +59,25 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-def grads(block: Block, x: torch.Tensor, recompute: bool) -> tuple[list[torch.Tensor], int]:
+def grads(block: Block, x: torch.Tensor, recompute: bool, scope: str = "region") -> tuple[list[torch.Tensor], int]:
     block.zero_grad(set_to_none=True)
+    if scope == "consumers":
+        hook_norm_consumers(block)
     x = x.detach().clone().requires_grad_(True)
-    with SavedBytes() as saved, recompute_norm_outputs(recompute):
+    with SavedBytes() as saved, recompute_norm_outputs(recompute, scope=scope):
         out = block(x)
     out.backward()
     return [x.grad] + [p.grad for p in block.parameters()], saved.total
 
 
+@pytest.mark.parametrize("scope", ["region", "consumers"])
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("shape", [(3, 5, HIDDEN), (7, HIDDEN)])
-def test_same_gradients_less_saved(kind, shape):
+def test_same_gradients_less_saved(kind, shape, scope):
     block = make_block(kind)
     x = torch.randn(shape, device=DEVICE)
     kept, kept_bytes = grads(block, x, recompute=False)
-    recomputed, recomputed_bytes = grads(block, x, recompute=True)
+    recomputed, recomputed_bytes = grads(block, x, recompute=True, scope=scope)
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
     # The two projections saved one view each of the same y: y no longer among the saved.
@@ -158,6 +161,76 @@ def test_create_graph_keeps_higher_order_path():
     assert torch.equal(gx.detach(), kept[0])
 
 
+def test_scope_is_checked():
+    with pytest.raises(ValueError, match="scope"):
+        with recompute_norm_outputs(scope="everything"):
+            pass
+
+
+def test_consumer_hooks_inert_outside_a_consumers_scope():
+    """Hooked Linear modules save as usual outside a "consumers" context (and inside a "region" one)."""
+    block = make_block("rms")
+    x = torch.randn(5, HIDDEN, device=DEVICE)
+    plain, plain_bytes = grads(block, x, recompute=False)
+    assert hook_norm_consumers(block) == 2
+    assert hook_norm_consumers(block) == 0  # once per module
+    hooked, hooked_bytes = grads(block, x, recompute=False, scope="consumers")
+    region, region_bytes = grads(block, x, recompute=True, scope="region")
+    assert hooked_bytes == plain_bytes
+    assert region_bytes == plain_bytes - 2 * x.numel() * x.element_size()
+    for a, b, c in zip(plain, hooked, region):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_consumers_scope_only_hooks_norm_consumers():
+    """Inside a "consumers" context only a Linear whose input is a norm output saves through the
+    context's hooks: a Linear on another tensor, and the ops around, save as usual."""
+    block = make_block("rms")
+    hook_norm_consumers(block)
+    seen = []
+    x = torch.randn(6, HIDDEN, device=DEVICE, requires_grad=True)
+    other = torch.randn(6, HIDDEN, device=DEVICE, requires_grad=True)
+
+    def pack(t):
+        seen.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recompute_norm_outputs(scope="consumers"):
+        y = block.norm(x)
+        block.up(other)  # not a norm output: saved as usual, through the outer hook
+        z = torch.sigmoid(block.gate(y))  # y replaced by a handle; sigmoid's output saved as usual
+    assert y.data_ptr() not in seen
+    assert other.data_ptr() in seen and z.data_ptr() in seen
+
+
+def test_consumers_scope_hooks_popped_when_the_forward_raises():
+    block = make_block("rms")
+    hook_norm_consumers(block)
+    x = torch.randn(3, HIDDEN, device=DEVICE, requires_grad=True)
+    with recompute_norm_outputs(scope="consumers"):
+        y = block.norm(x)
+        block.up.weight.data = block.up.weight.data[:, :-1]  # make the projection fail
+        with pytest.raises(RuntimeError):
+            block.up(y)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_consumers_scope_defers_to_checkpointing():
+    """Inside an activation-checkpointed region (its own saved-tensor hooks) the Linear hooks
+    leave saving to the checkpoint, which recomputes everything anyway."""
+    block = make_block("rms")
+    x = torch.randn(4, 3, HIDDEN, device=DEVICE)
+    kept, _ = grads(block, x, recompute=False)
+    hook_norm_consumers(block)
+    block.zero_grad(set_to_none=True)
+    xc = x.clone().requires_grad_(True)
+    with recompute_norm_outputs(scope="consumers"):
+        out = torch.utils.checkpoint.checkpoint(block, xc, use_reentrant=False)
+    out.backward()
+    for a, b in zip(kept, [xc.grad] + [p.grad for p in block.parameters()]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_patched_model_same_gradients(model_type):
     pytest.importorskip("transformers")
@@ -200,3 +273,28 @@ def test_released_parameters_raise():
     block.norm.weight.data = torch.empty(0, device=DEVICE)  # what a sharding release leaves
     with pytest.raises(RuntimeError, match="released"):
         out.backward()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3"])
+def test_patched_model_consumers_scope_saves_as_little_as_region(model_type, monkeypatch):
+    """The patched forward's "consumers" scope (hooks only inside the projections) drops every
+    norm output that the whole-region hooks drop: same saved bytes, bitwise the same gradients."""
+    pytest.importorskip("transformers")
+    import liger_kernel.transformers.causal_lm as causal_lm
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+
+    batch = random_batch(1024, seed=1)
+    results = {}
+    for scope in ("region", "consumers"):
+        monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", scope)
+        model = build_model(model_type)
+        _apply_liger_kernel_to_instance(model)
+        with SavedBytes() as saved:
+            results[scope] = (loss_and_grads(model, batch), saved.total)
+        assert model.__dict__.get("_liger_consumer_hooks", False) is (scope == "consumers")
+    ((loss_r, grads_r), bytes_r), ((loss_l, grads_l), bytes_l) = results["region"], results["consumers"]
+    assert bytes_l == bytes_r
+    assert torch.equal(loss_r, loss_l)
+    for name in grads_r:
+        assert torch.equal(grads_r[name], grads_l[name]), name

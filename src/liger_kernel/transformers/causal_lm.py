@@ -22,8 +22,10 @@ Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_uti
 
 With ``_liger_recompute_norm_outputs`` set on the model (the patch's
 ``recompute_norm_outputs=True``, the default) the decoder runs inside
-:func:`liger_kernel.transformers.recompute.recompute_norm_outputs`: the norm outputs the
-projections save are recomputed in backward instead of kept (same values, less memory).
+:func:`liger_kernel.transformers.recompute.recompute_norm_outputs` with ``scope="consumers"``:
+the norm outputs the projections save are recomputed in backward instead of kept (same
+values, less memory). The first such forward hooks the model's ``nn.Linear`` modules and the
+family's other norm consumers (:func:`~liger_kernel.transformers.recompute.hook_norm_consumers`).
 
 Logits are returned when asked (``skip_logits=False``) and by default whenever the model is
 not training or has no labels - evaluation, ``generate()``. The loss then comes from the
@@ -46,9 +48,13 @@ import torch.nn.functional as F
 
 from liger_kernel.transformers.distributed import call_with_full_parameters, unwrapped_class
 from liger_kernel.transformers.families import ModelFamily, family_of
-from liger_kernel.transformers.recompute import recompute_norm_outputs
+from liger_kernel.transformers.recompute import hook_norm_consumers, recompute_norm_outputs
 
 IGNORE_INDEX = -100
+# Where the norm-output recompute hooks are active (see liger_kernel.transformers.recompute):
+# "consumers" (only inside the projections that save norm outputs) or "region" (the whole
+# decoder forward; kept for A/B measurements, it costs host time in every op).
+RECOMPUTE_SCOPE = "consumers"
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -199,7 +205,12 @@ def liger_causal_lm_forward(
 
     base_model = getattr(self, self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
-    with recompute_norm_outputs(getattr(self, "_liger_recompute_norm_outputs", False)):
+    recompute = getattr(self, "_liger_recompute_norm_outputs", False)
+    if (recompute and RECOMPUTE_SCOPE == "consumers" and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not self.__dict__.get("_liger_consumer_hooks")):
+        hook_norm_consumers(self, family.norm.consumer_classes if family is not None else ())
+        self.__dict__["_liger_consumer_hooks"] = True
+    with recompute_norm_outputs(recompute, scope=RECOMPUTE_SCOPE):
         outputs = base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,

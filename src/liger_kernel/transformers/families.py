@@ -52,6 +52,10 @@ class NormSpec:
 
     ``layer_attrs`` are attribute paths relative to each decoder layer (``model.layers[i]``),
     ``final_attr`` is relative to the base model; together they list every norm instance.
+
+    ``consumer_classes`` names the module classes, besides ``nn.Linear``, that receive a norm
+    output and save it for their backward (Mixtral's router calls ``F.linear`` itself); the
+    norm-output recompute hooks those modules (:mod:`liger_kernel.transformers.recompute`).
     """
 
     class_name: str
@@ -62,6 +66,7 @@ class NormSpec:
     init_fn: str = "ones"
     in_place: bool = True
     eps_attr: str = "variance_epsilon"
+    consumer_classes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ FAMILIES: dict[str, ModelFamily] = {
             model_type="mixtral",
             modeling_module=_modeling("mixtral"),
             causal_lm_class="MixtralForCausalLM",
-            norm=NormSpec("MixtralRMSNorm"),
+            norm=NormSpec("MixtralRMSNorm", consumer_classes=("MixtralTopKRouter",)),
             mlp=MLPSpec("MixtralExperts", kind="experts", option="swiglu", experts_attr="experts"),
             router_aux_loss_fn="load_balancing_loss_func",
         ),

@@ -19,6 +19,7 @@ from torch import nn
 
 from liger_kernel.ops.swiglu import SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
 from liger_kernel.transformers.families import SILU_ACTIVATIONS
+from liger_kernel.transformers.recompute import has_only_recompute_hooks
 
 
 def liger_swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
@@ -32,10 +33,11 @@ def liger_swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> to
 
 def _fusable_linear(module: nn.Module) -> bool:
     """Whether ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)``: a plain
-    ``nn.Linear`` with no hooks and ordinary tensor parameters. Anything else (a LoRA or
+    ``nn.Linear`` with ordinary tensor parameters and no hooks but the norm-output recompute's
+    (which only act on a norm output, never this activation). Anything else (a LoRA or
     quantised layer, a DTensor weight, a hook that gathers or rewrites the weight) keeps its
     own forward."""
-    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+    if type(module) is not nn.Linear or not has_only_recompute_hooks(module):
         return False
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return False
