@@ -17,10 +17,9 @@ and hooks already active outside (e.g. ``save_on_cpu``) still handle those tenso
 Where the hooks are active is the context's ``scope``:
 
 * ``"region"`` (the default): the whole body of the context. Any consumer of ``y`` benefits,
-  but every tensor saved in the region passes through a Python hook, and a saved tensor that
-  is its own op's output (attention saves its output) then sits in a reference cycle that
-  only the garbage collector frees: measured ~0.33 ms of host time per Llama decoder layer
-  on a 2-core CPU (``scripts/device/host_layers.py`` gives the GPU host's figure).
+  but every tensor saved in the region passes through the Python hooks, and ops run markedly
+  slower on the host with Python saved-tensor hooks active (attention's most of all): ~0.6 ms
+  of host time per Llama decoder layer on a 2-core CPU, the kernel launches stubbed out.
 * ``"consumers"``: only inside the forward of a consumer module (every ``nn.Linear``, plus
   the classes a model family names, e.g. Mixtral's router) whose first input is a registered
   norm output, via the module hooks :func:`hook_norm_consumers` installs. In the supported
