@@ -298,3 +298,26 @@ def test_patched_model_consumers_scope_saves_as_little_as_region(model_type, mon
     assert torch.equal(loss_r, loss_l)
     for name in grads_r:
         assert torch.equal(grads_r[name], grads_l[name]), name
+
+
+def test_class_level_patch_hooks_consumers_on_first_training_forward(monkeypatch):
+    """Models built after a class-level patch get the consumer hooks lazily, on their first
+    training forward, and save as little as with the region scope."""
+    pytest.importorskip("transformers")
+    import liger_kernel.transformers.causal_lm as causal_lm
+    from liger_kernel.transformers import liger_kernel_patched
+    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+
+    batch = random_batch(1024, seed=2)
+    saved_bytes = {}
+    with liger_kernel_patched("llama"):
+        for scope in ("region", "consumers"):
+            monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", scope)
+            model = build_model("llama")
+            assert not model.model.layers[0].self_attn.q_proj._forward_pre_hooks
+            with SavedBytes() as saved:
+                loss_and_grads(model, batch)
+            saved_bytes[scope] = saved.total
+            hooked = bool(model.model.layers[0].self_attn.q_proj._forward_pre_hooks)
+            assert hooked is (scope == "consumers")
+    assert saved_bytes["consumers"] == saved_bytes["region"]
