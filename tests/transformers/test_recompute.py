@@ -321,3 +321,47 @@ def test_class_level_patch_hooks_consumers_on_first_training_forward(monkeypatch
             hooked = bool(model.model.layers[0].self_attn.q_proj._forward_pre_hooks)
             assert hooked is (scope == "consumers")
     assert saved_bytes["consumers"] == saved_bytes["region"]
+
+
+def test_consumers_scope_threads_interleaved():
+    """nn.DataParallel runs each replica's forward (the context included) in its own thread,
+    and autograd keeps saved-tensor hooks per thread: two threads whose projections run
+    interleaved (each waits inside its forward for the other to enter) each register into,
+    push and pop only their own context, save as little as alone, and leave no hooks behind."""
+    import threading
+
+    x = torch.randn(5, HIDDEN, device=DEVICE)
+    blocks = [make_block("rms") for _ in range(2)]
+    kept, kept_bytes = grads(make_block("rms"), x, recompute=False)
+    barrier = threading.Barrier(2, timeout=60)
+    results: dict[int, object] = {}
+
+    def wait_inside(module, args):
+        barrier.wait()
+
+    def worker(index: int) -> None:
+        try:
+            block = blocks[index]
+            hook_norm_consumers(block)
+            handle = block.up.register_forward_pre_hook(wait_inside)  # after the recompute's hook
+            try:
+                results[index] = grads(block, x, recompute=True, scope="consumers")
+            finally:
+                handle.remove()
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        except BaseException as error:  # reported by the main thread
+            results[index] = error
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in range(2):
+        result = results[index]
+        if isinstance(result, BaseException):
+            raise result
+        recomputed, recomputed_bytes = result
+        assert kept_bytes - recomputed_bytes == 2 * x.numel() * x.element_size()
+        for a, b in zip(kept, recomputed):
+            assert torch.equal(a, b)

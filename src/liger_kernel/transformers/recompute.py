@@ -8,7 +8,7 @@ keeping ``y`` as well costs N * H elements twice per layer that could be recompu
 
 :func:`recompute_norm_outputs` is a context manager; inside it the Liger norm modules register
 each output ``y`` with a way to recompute it (:func:`register_recomputable`), and autograd
-saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) replace a saved ``y``, or a
+saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, which autograd keeps per thread) replace a saved ``y``, or a
 view of it (``F.linear`` saves a 2-D view of a 3-D input), by a small handle. In backward the
 first unpack recomputes ``y`` once (the same deterministic kernel on the same inputs: bitwise
 the same values) and every handle returns its view of it. Everything else is saved as usual,
@@ -27,6 +27,10 @@ Where the hooks are active is the context's ``scope``:
   the memory saved is the same (``tests/transformers/test_recompute.py`` checks it per
   family), at ~10 us per projection on that CPU. The patched causal-LM forward uses this.
 
+Each context belongs to the thread that entered it (``nn.DataParallel`` runs one replica's
+forward per thread): norms register into, and consumers push the hooks of, their own thread's
+context only.
+
 Not used (tensors saved as usual) while ``torch.compile`` traces, while grad is disabled,
 where saved-tensor hooks are disabled, inside regions with their own hooks (activation
 checkpointing already recomputes everything there), or for DeepSpeed ZeRO-3 parameters
@@ -40,15 +44,18 @@ so higher-order gradients still flow to the norm's input and weight.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
-# The active contexts, innermost last (a plain list: torch.compile guards on it being empty).
+# The active contexts of every thread, innermost last (plain lists: torch.compile guards on
+# them being empty). Each entry names its thread: nn.DataParallel runs one replica's forward,
+# context included, per thread, and saved-tensor hooks are per thread in autograd.
 _ACTIVE: list[_Session] = []
-# Consumer modules whose forward pushed the innermost session's hooks, innermost last.
-_PUSHED: list[torch.nn.Module] = []
+# (thread, consumer module) whose forward pushed its thread's session hooks, innermost last.
+_PUSHED: list[tuple[int, torch.nn.Module]] = []
 
 SCOPES = ("region", "consumers")
 
@@ -108,11 +115,12 @@ def _address_key(t: torch.Tensor) -> int | None:
 class _Session:
     """One active context: its registry (output address -> (weak output, recipe)) and its hooks."""
 
-    __slots__ = ("outputs", "scope", "outer", "pack", "unpack")
+    __slots__ = ("outputs", "scope", "thread", "outer", "pack", "unpack")
 
     def __init__(self, scope: str) -> None:
         self.outputs: dict[int, tuple[weakref.ref, _Recipe]] = {}
         self.scope = scope
+        self.thread = threading.get_ident()
         # The hooks active when the context was entered: ours chain to them, and in the
         # "consumers" scope a consumer whose forward finds other hooks on top (activation
         # checkpointing) leaves saving to those.
@@ -140,6 +148,17 @@ class _Session:
         self.unpack = unpack
 
 
+def _current_session() -> _Session | None:
+    """This thread's innermost active context, if any."""
+    if not _ACTIVE:
+        return None
+    thread = threading.get_ident()
+    for session in reversed(_ACTIVE):
+        if session.thread == thread:
+            return session
+    return None
+
+
 def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
                           inputs: tuple[torch.Tensor, ...]) -> None:
     """Let an active :func:`recompute_norm_outputs` context save ``y`` as ``compute()``.
@@ -149,6 +168,9 @@ def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
     """
     if not _ACTIVE or not torch.is_grad_enabled():
         return
+    session = _current_session()
+    if session is None:
+        return
     # DeepSpeed ZeRO-3 gathers a module's parameters only when the backward reaches that
     # module, after its consumers' backward would need the recompute: keep y as usual.
     if any(hasattr(t, "ds_id") for t in inputs):
@@ -156,12 +178,12 @@ def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
     key = _address_key(y)
     if key is None or not y.is_contiguous():
         return
-    _ACTIVE[-1].outputs[key] = (weakref.ref(y), _Recipe(compute, inputs))
+    session.outputs[key] = (weakref.ref(y), _Recipe(compute, inputs))
 
 
 def recomputing() -> bool:
-    """Whether norm outputs created now would be registered (a context is active)."""
-    return bool(_ACTIVE)
+    """Whether norm outputs created now would be registered (a context is active in this thread)."""
+    return bool(_ACTIVE) and _current_session() is not None
 
 
 @contextlib.contextmanager
@@ -187,7 +209,7 @@ def recompute_norm_outputs(enabled: bool = True, scope: str = "region") -> Itera
         else:
             yield
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.remove(session)
         # Autograd keeps ``pack`` (so this dict) alive with every tensor saved here; cleared,
         # each recipe lives only as long as the handles that use it.
         session.outputs.clear()
@@ -196,20 +218,26 @@ def recompute_norm_outputs(enabled: bool = True, scope: str = "region") -> Itera
 def _consumer_pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if not _ACTIVE or not args:
         return
-    session = _ACTIVE[-1]
-    if session.scope != "consumers" or not session.outputs or session.outputs.get(_address_key(args[0])) is None:
+    session = _current_session()
+    if (session is None or session.scope != "consumers" or not session.outputs
+            or session.outputs.get(_address_key(args[0])) is None):
         return
     if (not torch.is_grad_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) != session.outer):
         return
     torch._C._autograd._push_saved_tensors_default_hooks(session.pack, session.unpack)
-    _PUSHED.append(module)
+    _PUSHED.append((session.thread, module))
 
 
 def _consumer_post_hook(module: torch.nn.Module, args: tuple, output: object) -> None:
-    if _PUSHED and _PUSHED[-1] is module:
-        _PUSHED.pop()
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+    if not _PUSHED:
+        return
+    thread = threading.get_ident()
+    for i in range(len(_PUSHED) - 1, -1, -1):
+        if _PUSHED[i][0] == thread and _PUSHED[i][1] is module:
+            del _PUSHED[i]
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            return
 
 
 def has_only_recompute_hooks(module: torch.nn.Module) -> bool:
