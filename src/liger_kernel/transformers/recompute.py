@@ -8,8 +8,9 @@ keeping ``y`` as well costs N * H elements twice per layer that could be recompu
 
 :func:`recompute_norm_outputs` is a context manager; inside it the Liger norm modules register
 each output ``y`` with a way to recompute it (:func:`register_recomputable`), and autograd
-saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, which autograd keeps per thread) replace a saved ``y``, or a
-view of it (``F.linear`` saves a 2-D view of a 3-D input), by a small handle. In backward the
+saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, kept per thread) replace a
+saved ``y``, or a view of it (``F.linear`` saves a 2-D view of a 3-D input), by a small
+handle. In backward the
 first unpack recomputes ``y`` once (the same deterministic kernel on the same inputs: bitwise
 the same values) and every handle returns its view of it. Everything else is saved as usual,
 and hooks already active outside (e.g. ``save_on_cpu``) still handle those tensors.
