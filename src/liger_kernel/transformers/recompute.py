@@ -10,10 +10,10 @@ keeping ``y`` as well costs N * H elements twice per layer that could be recompu
 each output ``y`` with a way to recompute it (:func:`register_recomputable`), and autograd
 saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, kept per thread) replace a
 saved ``y``, or a view of it (``F.linear`` saves a 2-D view of a 3-D input), by a small
-handle. In backward the
-first unpack recomputes ``y`` once (the same deterministic kernel on the same inputs: bitwise
-the same values) and every handle returns its view of it. Everything else is saved as usual,
-and hooks already active outside (e.g. ``save_on_cpu``) still handle those tensors.
+handle. In backward the first unpack recomputes ``y`` once (the same deterministic kernel on
+the same inputs: bitwise the same values) and every handle returns its view of it.
+Everything else is saved as usual, and hooks already active outside (e.g. ``save_on_cpu``)
+still handle those tensors.
 
 Where the hooks are active is the context's ``scope``:
 
@@ -36,10 +36,11 @@ Not used (tensors saved as usual) while ``torch.compile`` traces, while grad is 
 where saved-tensor hooks are disabled, inside regions with their own hooks (activation
 checkpointing already recomputes everything there), or for DeepSpeed ZeRO-3 parameters
 (gathered per module only when the backward reaches the norm, after the recompute). FSDP2
-unshards a whole decoder layer before any of its backward, so it is safe there. If the norm's input was modified in
-place after the forward, the recompute raises, as autograd would for a saved tensor. Under
-double backward (``create_graph=True``) the recompute runs through the autograd Function,
-so higher-order gradients still flow to the norm's input and weight.
+unshards a whole decoder layer before any of its backward, so it is safe there. If the
+norm's input was modified in place after the forward, the recompute raises, as autograd
+would for a saved tensor. Under double backward (``create_graph=True``) the recompute runs
+through the autograd Function, so higher-order gradients still flow to the norm's input and
+weight.
 """
 
 from __future__ import annotations
