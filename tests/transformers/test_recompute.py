@@ -365,3 +365,18 @@ def test_consumers_scope_threads_interleaved():
         assert kept_bytes - recomputed_bytes == 2 * x.numel() * x.element_size()
         for a, b in zip(kept, recomputed):
             assert torch.equal(a, b)
+
+
+def test_consumers_scope_respects_hooks_disabled_inside():
+    """A consumer that runs where saved-tensor hooks were disabled after the context began
+    saves as usual instead of failing to push the context's hooks."""
+    block = make_block("rms")
+    hook_norm_consumers(block)
+    x = torch.randn(4, HIDDEN, device=DEVICE, requires_grad=True)
+    with recompute_norm_outputs(scope="consumers"):
+        y = block.norm(x)
+        with torch.autograd.graph.disable_saved_tensors_hooks("disabled for this test"):
+            out = block.up(y).sum()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    out.backward()
+    assert x.grad is not None

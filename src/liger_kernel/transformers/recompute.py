@@ -224,7 +224,9 @@ def _consumer_pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if (session is None or session.scope != "consumers" or not session.outputs
             or session.outputs.get(_address_key(args[0])) is None):
         return
-    if (not torch.is_grad_enabled()
+    # Code that disabled saved-tensor hooks since the context began (torch.func transforms)
+    # would make the push raise; code that pushed its own (checkpointing) owns the saving.
+    if (not torch.is_grad_enabled() or not torch._C._autograd._saved_tensors_hooks_is_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) != session.outer):
         return
     torch._C._autograd._push_saved_tensors_default_hooks(session.pack, session.unpack)
