@@ -11,8 +11,9 @@ Per family the table records
   name of its ``*ForCausalLM`` class;
 * its RMSNorm: the class name, how Liger must reproduce it (``offset`` added to the weight,
   ``casting_mode``, the weight initialisation, whether the backward may overwrite the incoming
-  gradient in place) and every attribute that holds one (per decoder layer, per attention
-  block - Qwen3's ``q_norm``/``k_norm`` - and the final norm);
+  gradient in place), every attribute that holds one (per decoder layer, per attention
+  block - Qwen3's ``q_norm``/``k_norm`` - and the final norm) and which modules besides
+  ``nn.Linear`` save its outputs for their backward (Mixtral's router);
 * its MLP: the class name, which gated activation it computes, the config attribute naming
   the activation and the values for which the Liger kernel is exact, and which Liger module
   replaces it. Mixtral's experts hold fused 3-D weights and are patched by swapping only the
