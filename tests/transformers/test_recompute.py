@@ -380,3 +380,36 @@ def test_consumers_scope_respects_hooks_disabled_inside():
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     out.backward()
     assert x.grad is not None
+
+
+def test_lora_adapters_are_consumers_too(monkeypatch):
+    """With PEFT LoRA on the projections (dropout 0: the adapters' ``lora_A`` receive the norm
+    output itself) the consumer scope drops every saved norm output the region scope drops:
+    the base layers and the adapters are all ``nn.Linear``. Bitwise the same gradients."""
+    pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import liger_kernel.transformers.causal_lm as causal_lm
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+
+    batch = random_batch(1024, seed=3)
+    results = {}
+    for scope in ("off", "region", "consumers"):
+        monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", "region" if scope == "off" else scope)
+        config = peft.LoraConfig(r=4, lora_dropout=0.0,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+        model = peft.get_peft_model(build_model("llama", seed=3), config)
+        torch.manual_seed(4)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.1)
+        _apply_liger_kernel_to_instance(model, recompute_norm_outputs=scope != "off")
+        with SavedBytes() as saved:
+            results[scope] = (loss_and_grads(model, batch), saved.total)
+    ((loss_r, grads_r), bytes_r), ((loss_c, grads_c), bytes_c) = results["region"], results["consumers"]
+    assert bytes_c == bytes_r < results["off"][1]
+    assert torch.equal(loss_r, loss_c)
+    assert grads_r.keys() == grads_c.keys() and any("lora_A" in name for name in grads_r)
+    for name in grads_r:
+        assert torch.equal(grads_r[name], grads_c[name]), name
