@@ -325,25 +325,34 @@ def test_class_level_patch_hooks_consumers_on_first_training_forward(monkeypatch
 
 def test_consumers_scope_threads_interleaved():
     """nn.DataParallel runs each replica's forward (the context included) in its own thread,
-    and autograd keeps saved-tensor hooks per thread: two threads whose projections run
-    interleaved (each waits inside its forward for the other to enter) each register into,
-    push and pop only their own context, save as little as alone, and leave no hooks behind."""
+    and autograd keeps saved-tensor hooks per thread. Two threads interleave inside their
+    projections: thread 0 pushes its hooks and waits there, thread 1 enters its context,
+    runs its norm and pushes its hooks, then thread 0 finishes first (its pop is not the
+    latest push) and thread 1 after it. Each registers into, pushes and pops only its own
+    context, saves as little as alone and leaves no hooks behind. Kernels never run in both
+    threads at once (the Triton interpreter patches triton.language globally while it runs)."""
     import threading
 
     x = torch.randn(5, HIDDEN, device=DEVICE)
     blocks = [make_block("rms") for _ in range(2)]
     kept, kept_bytes = grads(make_block("rms"), x, recompute=False)
-    barrier = threading.Barrier(2, timeout=60)
+    inside = [threading.Event(), threading.Event()]
+    first_done = threading.Event()
     results: dict[int, object] = {}
 
-    def wait_inside(module, args):
-        barrier.wait()
+    def wait_inside(index: int):
+        def hook(module, args):
+            inside[index].set()
+            assert (inside[1] if index == 0 else first_done).wait(timeout=60), "the other thread stalled"
+        return hook
 
     def worker(index: int) -> None:
         try:
+            if index == 1:
+                assert inside[0].wait(timeout=60), "thread 0 never reached its projection"
             block = blocks[index]
             hook_norm_consumers(block)
-            handle = block.up.register_forward_pre_hook(wait_inside)  # after the recompute's hook
+            handle = block.up.register_forward_pre_hook(wait_inside(index))  # after the recompute's hook
             try:
                 results[index] = grads(block, x, recompute=True, scope="consumers")
             finally:
@@ -351,6 +360,9 @@ def test_consumers_scope_threads_interleaved():
             assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         except BaseException as error:  # reported by the main thread
             results[index] = error
+        finally:
+            if index == 0:
+                first_done.set()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for thread in threads:
