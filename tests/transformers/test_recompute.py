@@ -275,52 +275,68 @@ def test_released_parameters_raise():
         out.backward()
 
 
+def steps_per_scope(monkeypatch, make_model, batch: dict, scopes=("region", "consumers")) -> dict:
+    """{scope: (loss, grads, saved bytes, model)} of one training step of ``make_model(scope)``
+    with the patched forward's recompute scope set to ``scope`` ("off": "region" with the
+    model patched by ``make_model`` without recompute)."""
+    import liger_kernel.transformers.causal_lm as causal_lm
+    from tests.transformers.model_configs import loss_and_grads
+
+    results = {}
+    for scope in scopes:
+        monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", "region" if scope == "off" else scope)
+        model = make_model(scope)
+        with SavedBytes() as saved:
+            loss, grads_ = loss_and_grads(model, batch)
+        results[scope] = (loss, grads_, saved.total, model)
+    return results
+
+
+def assert_same_step(a: tuple, b: tuple) -> None:
+    """Bitwise the same loss and gradients, the same bytes saved."""
+    assert a[2] == b[2]
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3"])
 def test_patched_model_consumers_scope_saves_as_little_as_region(model_type, monkeypatch):
     """The patched forward's "consumers" scope (hooks only inside the projections) drops every
     norm output that the whole-region hooks drop: same saved bytes, bitwise the same gradients."""
     pytest.importorskip("transformers")
-    import liger_kernel.transformers.causal_lm as causal_lm
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+    from tests.transformers.model_configs import build_model, random_batch
 
-    batch = random_batch(1024, seed=1)
-    results = {}
-    for scope in ("region", "consumers"):
-        monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", scope)
+    def make_model(scope):
         model = build_model(model_type)
         _apply_liger_kernel_to_instance(model)
-        with SavedBytes() as saved:
-            results[scope] = (loss_and_grads(model, batch), saved.total)
-        assert model.__dict__.get("_liger_consumer_hooks", False) is (scope == "consumers")
-    ((loss_r, grads_r), bytes_r), ((loss_l, grads_l), bytes_l) = results["region"], results["consumers"]
-    assert bytes_l == bytes_r
-    assert torch.equal(loss_r, loss_l)
-    for name in grads_r:
-        assert torch.equal(grads_r[name], grads_l[name]), name
+        return model
+
+    results = steps_per_scope(monkeypatch, make_model, random_batch(1024, seed=1))
+    for scope, result in results.items():
+        assert result[3].__dict__.get("_liger_consumer_hooks", False) is (scope == "consumers")
+    assert_same_step(results["region"], results["consumers"])
 
 
 def test_class_level_patch_hooks_consumers_on_first_training_forward(monkeypatch):
     """Models built after a class-level patch get the consumer hooks lazily, on their first
     training forward, and save as little as with the region scope."""
     pytest.importorskip("transformers")
-    import liger_kernel.transformers.causal_lm as causal_lm
     from liger_kernel.transformers import liger_kernel_patched
-    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+    from tests.transformers.model_configs import build_model, random_batch
 
-    batch = random_batch(1024, seed=2)
-    saved_bytes = {}
+    def make_model(scope):
+        model = build_model("llama")
+        assert not model.model.layers[0].self_attn.q_proj._forward_pre_hooks
+        return model
+
     with liger_kernel_patched("llama"):
-        for scope in ("region", "consumers"):
-            monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", scope)
-            model = build_model("llama")
-            assert not model.model.layers[0].self_attn.q_proj._forward_pre_hooks
-            with SavedBytes() as saved:
-                loss_and_grads(model, batch)
-            saved_bytes[scope] = saved.total
-            hooked = bool(model.model.layers[0].self_attn.q_proj._forward_pre_hooks)
-            assert hooked is (scope == "consumers")
-    assert saved_bytes["consumers"] == saved_bytes["region"]
+        results = steps_per_scope(monkeypatch, make_model, random_batch(1024, seed=2))
+    for scope, result in results.items():
+        assert bool(result[3].model.layers[0].self_attn.q_proj._forward_pre_hooks) is (scope == "consumers")
+    assert_same_step(results["region"], results["consumers"])
 
 
 def test_consumers_scope_threads_interleaved():
@@ -400,14 +416,10 @@ def test_lora_adapters_are_consumers_too(monkeypatch):
     the base layers and the adapters are all ``nn.Linear``. Bitwise the same gradients."""
     pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    import liger_kernel.transformers.causal_lm as causal_lm
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+    from tests.transformers.model_configs import build_model, random_batch
 
-    batch = random_batch(1024, seed=3)
-    results = {}
-    for scope in ("off", "region", "consumers"):
-        monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", "region" if scope == "off" else scope)
+    def make_model(scope):
         config = peft.LoraConfig(r=4, lora_dropout=0.0,
                                  target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
         model = peft.get_peft_model(build_model("llama", seed=3), config)
@@ -417,11 +429,9 @@ def test_lora_adapters_are_consumers_too(monkeypatch):
                 if "lora_B" in name:
                     param.normal_(std=0.1)
         _apply_liger_kernel_to_instance(model, recompute_norm_outputs=scope != "off")
-        with SavedBytes() as saved:
-            results[scope] = (loss_and_grads(model, batch), saved.total)
-    ((loss_r, grads_r), bytes_r), ((loss_c, grads_c), bytes_c) = results["region"], results["consumers"]
-    assert bytes_c == bytes_r < results["off"][1]
-    assert torch.equal(loss_r, loss_c)
-    assert grads_r.keys() == grads_c.keys() and any("lora_A" in name for name in grads_r)
-    for name in grads_r:
-        assert torch.equal(grads_r[name], grads_c[name]), name
+        return model
+
+    results = steps_per_scope(monkeypatch, make_model, random_batch(1024, seed=3), ("off", "region", "consumers"))
+    assert results["region"][2] < results["off"][2]
+    assert any("lora_A" in name for name in results["region"][1])
+    assert_same_step(results["region"], results["consumers"])
