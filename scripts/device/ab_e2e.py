@@ -13,8 +13,6 @@ Variants (``--variants``, comma list):
   chunk256     ``FLCE_CHUNK_BUDGET_BYTES = 256 MiB``
   regionhooks  the norm-output recompute's saved-tensor hooks over the whole decoder forward
                (``causal_lm.RECOMPUTE_SCOPE = "region"``, the scope before 2026-12-05)
-  ropecontig   RoPE writes (B, H, T, D)-contiguous q/k, as HF's ``apply_rotary_pos_emb`` does
-               (``ROPE_CONTIGUOUS_OUTPUTS = True``), instead of keeping the projections' layout
 
 Usage: ``python scripts/device/ab_e2e.py [--variants base,nocheck] [--rounds 2] [--steps 10] [--csv F]``
 """
@@ -37,7 +35,6 @@ from benchmarks.e2e_training import build_config, build_model, make_optimizer, t
 def variant_settings(name: str):
     """Module attributes set for the variant (restored afterwards) and the patch kwargs."""
     import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
-    import liger_kernel.ops.rope as rope_ops
     import liger_kernel.transformers.causal_lm as causal_lm
 
     overrides, patch_kwargs = [], {}
@@ -49,8 +46,6 @@ def variant_settings(name: str):
         overrides.append((flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 256 * 2**20))
     elif name == "regionhooks":
         overrides.append((causal_lm, "RECOMPUTE_SCOPE", "region"))
-    elif name == "ropecontig":
-        overrides.append((rope_ops, "ROPE_CONTIGUOUS_OUTPUTS", True))
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r}")
     saved = [(module, key, getattr(module, key)) for module, key, _ in overrides]

@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import liger_kernel.ops.rope as rope_ops
 from liger_kernel.ops.rope import LigerRopeFunction
 from tests.utils import DEVICE, assert_close, shapes
 
@@ -161,24 +160,6 @@ def test_outputs_and_gradients_keep_the_input_layout():
     (q_embed.sum() + k_embed.sum()).backward()
     assert seen["q"].stride() == q.stride()
     assert leaves[0].grad.is_contiguous()
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
-def test_contiguous_outputs_mode(monkeypatch, layout, unsqueeze_dim):
-    # ROPE_CONTIGUOUS_OUTPUTS: outputs contiguous in the caller's shape (as HF returns them),
-    # same values and gradients, input gradients still laid out like the inputs.
-    monkeypatch.setattr(rope_ops, "ROPE_CONTIGUOUS_OUTPUTS", True)
-    check_case(layout, 2, 37, 4, 2, 8, 8, 1, unsqueeze_dim, torch.float32)
-    leaves, view = make_qk_source(layout, 2, 5, 4, 2, 8, unsqueeze_dim, torch.float32)
-    q, k = view(*leaves)
-    cos, sin = make_cos_sin(1, 5, 8, torch.float32)
-    seen = {}
-    q.register_hook(lambda g: seen.setdefault("q", g))
-    q_embed, k_embed = LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
-    assert q_embed.is_contiguous() and k_embed.is_contiguous()
-    (q_embed.sum() + k_embed.sum()).backward()
-    assert rope_ops.memory_order(seen["q"]) == rope_ops.memory_order(q)
 
 
 def test_last_dim_not_unit_stride_is_copied_and_correct():

@@ -75,11 +75,6 @@ from liger_kernel.ops.utils import (
 # timings, 0.48-0.77 ms, were host-bound and did not rank the settings.)
 ROPE_TILE_ELEMENTS = 2048
 ROPE_MAX_BLOCK_HEADS = 8
-# Memory order of the forward outputs: False keeps each input's layout (a transposed view of a
-# (B, T, H, D) projection stays one); True writes (B, H, T, D)-contiguous outputs, the layout HF's
-# ``apply_rotary_pos_emb`` returns, for attention kernels that may prefer it. Input gradients
-# always keep the input's layout, so the views around the projections stay free in the backward.
-ROPE_CONTIGUOUS_OUTPUTS = False
 
 
 @triton.jit
@@ -325,12 +320,7 @@ class LigerRopeFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise ValueError("cos and sin must not require grad: the Liger RoPE kernel treats them as constants")
         q_order, k_order = memory_order(q_c), memory_order(k_c)
-        if ROPE_CONTIGUOUS_OUTPUTS:
-            # Contiguous in the caller's shape: (B, H, T) or, for unsqueeze_dim=2, (B, T, H) outermost first.
-            out_order = _DIM_ORDERS.index((0, 1, 2) if unsqueeze_dim == 1 else (0, 2, 1))
-            q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, out_order, out_order)
-        else:
-            q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order)
+        q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order)
         ctx.save_for_backward(cos_c, sin_c)
         ctx.orders = (q_order, k_order)
         ctx.unsqueeze_dim = unsqueeze_dim
