@@ -1,4 +1,5 @@
-# Session 12, call 1 (see benchmarks/results/<date>/env.txt): attention layouts, e2e with GPU clock/power samples, host per layer.
+# Session 12, call 1 (see benchmarks/results/2026-12-05b_nvidia-h100/env.txt): attention layouts, e2e with GPU clock/power samples, host per layer.
+# Kept as the record of what ran on commit 7a76565: its ab_e2e variant "ropecontig" and the RoPE flag it set were removed after this call.
 set -u
 export PYTHONPATH=$PWD/src
 python scripts/device/sdpa_layout.py --out $OUT/sdpa_layout.csv 2>&1 | tail -12
