@@ -398,6 +398,40 @@ def test_bad_arguments_raise():
         liger_cross_entropy(logits, target, softcap=-1.0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_non_contiguous_class_weight(reduction, label_smoothing):
+    """A strided weight (every other element of a buffer) counts with its own values, not
+    the buffer's first V: the same loss and gradient as its contiguous copy, and as torch."""
+    logits, target = make_inputs(9, 101, torch.float32)
+    weight = (torch.rand(2 * 101, device=DEVICE) + 0.1)[::2]
+    assert not weight.is_contiguous()
+    upstream = torch.randn(9, device=DEVICE) if reduction == "none" else torch.tensor(1.5, device=DEVICE)
+    results = []
+    for w in (weight, weight.contiguous()):
+        x = logits.clone().requires_grad_()
+        loss = liger_cross_entropy(x, target, weight=w, reduction=reduction, label_smoothing=label_smoothing)
+        loss.backward(upstream)
+        results.append((loss.detach(), x.grad))
+    (strided_loss, strided_grad), (dense_loss, dense_grad) = results
+    assert torch.equal(strided_loss, dense_loss) and torch.equal(strided_grad, dense_grad)
+    run_and_compare(logits, target, weight=weight, reduction=reduction, label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("ignore_index", [-100.5, -100.0, True, torch.tensor(-100.0), torch.tensor([-100]), "-100"])
+def test_non_integer_ignore_index_raises(ignore_index):
+    # int() would truncate -100.5 to -100 (or read True as 1) and ignore other targets than meant.
+    logits, target = make_inputs(4, 10, torch.float32)
+    with pytest.raises(TypeError, match="ignore_index"):
+        LigerCrossEntropyFunction.apply(logits.clone().requires_grad_(), target, None, ignore_index)
+
+
+@pytest.mark.parametrize("ignore_index", [3, torch.tensor(3), torch.tensor(3, dtype=torch.int32)])
+def test_integer_ignore_index_forms(ignore_index):
+    logits, target = make_inputs(11, 10, torch.float32, ignore_index=3, ignore_fraction=0.4)
+    run_and_compare(logits, target, ignore_index=ignore_index)
+
+
 def test_int32_target():
     logits, target = make_inputs(9, 400, torch.float32)
     run_and_compare(logits, target.int(), label_smoothing=0.1, weight=torch.rand(400, device=DEVICE))

@@ -407,6 +407,44 @@ def test_bad_arguments_raise():
         liger_fused_linear_cross_entropy(x, weight, target, accum_dtype=torch.float16)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_non_contiguous_ce_weight(reduction, four_row_chunks):
+    """A strided ce_weight (every other element of a buffer) counts with its own values: the
+    same loss and gradients as its contiguous copy, and as torch (``"none"`` also reads it
+    again in backward)."""
+    x, weight, bias, target = make_problem(11, 16, 67, torch.float32, True)
+    ce_weight = (torch.rand(2 * 67, device=DEVICE) + 0.1)[::2]
+    assert not ce_weight.is_contiguous()
+    upstream = torch.randn(11, device=DEVICE) if reduction == "none" else torch.tensor(1.5, device=DEVICE)
+    results = []
+    for w in (ce_weight, ce_weight.contiguous()):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+        loss = liger_fused_linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2], ce_weight=w,
+                                                label_smoothing=0.1, reduction=reduction)
+        loss.backward(upstream)
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for strided, dense in zip(*results):
+        assert torch.equal(strided, dense)
+    refs = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    ref_loss = F.cross_entropy(refs[0] @ refs[1].t() + refs[2], target, weight=ce_weight.double(),
+                               label_smoothing=0.1, reduction=reduction)
+    ref_loss.backward(upstream.double())
+    assert_loss_close(results[0][0], ref_loss, 11, "loss")
+    for name, got, ref in zip(("input", "weight", "bias"), results[0][1:], refs):
+        extra = fp32_cancellation_bound(name, x, weight, target, upstream.double(), ce_weight, reduction,
+                                        label_smoothing=0.1)
+        assert_grad_close(got, ref.grad, torch.float32, f"grad {name}", extra=extra)
+
+
+@pytest.mark.parametrize("ignore_index", [-100.5, -100.0, True, torch.tensor(-100.0), torch.tensor([-100])])
+def test_non_integer_ignore_index_raises(ignore_index):
+    # int() would truncate -100.5 to -100 (or read True as 1) and ignore other targets than meant.
+    x, weight, _, target = make_problem(4, 8, 10, torch.float32, False)
+    with pytest.raises(TypeError, match="ignore_index"):
+        LigerFusedLinearCrossEntropyFunction.apply(x, weight.clone().requires_grad_(), target, None, None,
+                                                   ignore_index)
+
+
 def test_function_apply_directly(four_row_chunks):
     x, weight, _, target = make_problem(6, 8, 40, torch.float32, False)
     w = weight.clone().requires_grad_()

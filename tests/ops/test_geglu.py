@@ -23,6 +23,7 @@ from tests.ops.test_swiglu import (
     fused_halves,
     gated_reference,
     gated_run,
+    halves_of_a_user_tensor,
     make_inputs,
 )
 from tests.utils import DEVICE, assert_close, shapes
@@ -77,6 +78,18 @@ def test_in_place_backward_into_fused_halves():
     exact_geglu(*ref_leaf.chunk(2, dim=-1)).backward(dh.double())
     assert_close(fused_leaf.grad, ref_leaf.grad, dtype=torch.bfloat16)
     assert torch.equal(fused.detach(), fused_leaf.grad)
+
+
+def test_in_place_never_writes_into_views_of_a_leaf():
+    """The halves of a user's tensor are not leaves, but writing into them writes into it."""
+    x, a, b = halves_of_a_user_tensor(3, 21, "slices")
+    kept = x.detach().clone()
+    dh = torch.randn(3, 21, device=DEVICE)
+    LigerGELUMulFunction.apply(a, b, True).backward(dh)
+    assert torch.equal(x.detach(), kept)
+    ref = kept.double().requires_grad_(True)
+    exact_geglu(ref[:, :21], ref[:, 21:]).backward(dh.double())
+    assert_close(x.grad, ref.grad)
 
 
 def test_bad_arguments():

@@ -44,7 +44,10 @@ def run(fn, x, w, b, dy, eps=EPS):
     w = w.detach().clone().requires_grad_(True)
     b = b.detach().clone().requires_grad_(True) if b is not None else None
     y = fn(x, w, b, eps)
-    y.backward(dy.to(y.dtype, copy=True))
+    # Through an exact op (* 1), so the gradient reaching the norm is a buffer autograd
+    # owns, as in a model, and the in-place backward does write into it (a tensor the
+    # caller passes to backward() itself is never overwritten).
+    (y * 1).backward(dy.to(y.dtype, copy=True))
     return y.detach(), x.grad, w.grad, (b.grad if b is not None else None)
 
 
@@ -286,9 +289,13 @@ def test_in_place_reuses_grad_output():
         seen = {}
         xi = x.detach().clone().requires_grad_(True)
         xi.register_hook(lambda g, seen=seen: seen.setdefault("dx", g))
-        LigerLayerNormFunction.apply(xi, w, b, EPS, in_place).backward(grad)
-        assert (seen["dx"].data_ptr() == grad.data_ptr()) == in_place
+        y = LigerLayerNormFunction.apply(xi, w, b, EPS, in_place)
+        # The norm's gradient as autograd makes it (y * 1's backward), not the caller's grad.
+        y.register_hook(lambda g, seen=seen: seen.update(dy=g.data_ptr()))
+        (y * 1).backward(grad)
+        assert (seen["dx"].data_ptr() == seen["dy"]) == in_place
         assert torch.equal(seen["dx"], expected[1])
+        assert torch.equal(grad, dy)
     # Not eligible (non-contiguous): a fresh dx, and the incoming gradient is left intact.
     grad = dy.t().contiguous().t()
     kept = grad.clone()
@@ -296,6 +303,38 @@ def test_in_place_reuses_grad_output():
     LigerLayerNormFunction.apply(xi, w, b, EPS, True).backward(grad)
     assert torch.equal(grad, kept)
     assert torch.equal(xi.grad, expected[1])
+
+
+@pytest.mark.parametrize("shape", [(5, 123), (2, 3, 37), (1, 1), (3, 1)])
+def test_sum_backward_expanded_grad(shape):
+    """``y.sum()``'s backward hands over one scalar expanded to y's shape (zero strides, and
+    contiguous by the book for one element): dx is not written over it, and is right."""
+    x = torch.randn(shape, device=DEVICE)
+    w = torch.randn(shape[-1], device=DEVICE)
+    b = torch.randn(shape[-1], device=DEVICE)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    liger(*leaves, EPS).sum().backward()
+    ones = torch.ones(shape, device=DEVICE)
+    expected = run(liger_out_of_place, x, w, b, ones)
+    for leaf, want in zip(leaves, expected[1:]):
+        assert torch.equal(leaf.grad, want)
+    truth = run(torch_layer_norm, x.double(), w.double(), b.double(), ones.double())
+    check_fp32((None, *(leaf.grad for leaf in leaves)), (None, *truth[1:]), x.numel() // shape[-1])
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 0), (2, 0, 0)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_zero_hidden_size(shape, bias):
+    """H == 0 (and no rows either): empty output and gradients, as F.layer_norm gives."""
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    w = torch.randn(0, device=DEVICE, requires_grad=True)
+    b = torch.randn(0, device=DEVICE, requires_grad=True) if bias else None
+    y = liger(x, w, b, EPS)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == (0,)
+    if bias:
+        assert b.grad.shape == (0,)
 
 
 def test_in_place_must_be_bool():

@@ -80,7 +80,10 @@ def run(fn, x, w, dy, *args):
     x = x.detach().clone().requires_grad_(True)
     w = w.detach().clone().requires_grad_(True)
     y = fn(x, w, *args)
-    y.backward(dy.to(y.dtype, copy=True))  # a copy: the in-place backward may overwrite it
+    # Through an exact op (* 1), so the gradient reaching the norm is a buffer autograd
+    # owns, as in a model, and the in-place backward does write into it (a tensor the
+    # caller passes to backward() itself is never overwritten).
+    (y * 1).backward(dy.to(y.dtype, copy=True))
     return y.detach(), x.grad, w.grad
 
 
@@ -178,9 +181,13 @@ def test_in_place_reuses_grad_output():
 
         xi = x.detach().clone().requires_grad_(True)
         xi.register_hook(keep)
-        liger(xi, w, EPS, 0.0, "llama", in_place).backward(grad)
-        assert (seen["dx"].data_ptr() == grad.data_ptr()) == in_place
+        y = liger(xi, w, EPS, 0.0, "llama", in_place)
+        # The norm's gradient as autograd makes it (y * 1's backward), not the caller's grad.
+        y.register_hook(lambda g, seen=seen: seen.update(dy=g.data_ptr()))
+        (y * 1).backward(grad)
+        assert (seen["dx"].data_ptr() == seen["dy"]) == in_place
         assert torch.equal(seen["dx"], expected[1])
+        assert torch.equal(grad, dy)
 
     # Not eligible (non-contiguous / different dtype from x): a fresh dx is allocated.
     grad = torch.randn(123, 7, device=DEVICE).t()
@@ -193,6 +200,33 @@ def test_in_place_reuses_grad_output():
     grad = torch.randn_like(y)
     y.backward(grad)
     assert xb.grad.dtype == torch.bfloat16 and xb.grad.data_ptr() != grad.data_ptr()
+
+
+@pytest.mark.parametrize("shape", [(5, 123), (2, 3, 37), (1, 1), (3, 1)])
+def test_sum_backward_expanded_grad(shape):
+    """``y.sum()``'s backward hands over one scalar expanded to y's shape (zero strides, and
+    contiguous by the book for one element): dx is not written over it, and is right."""
+    x = torch.randn(shape, device=DEVICE)
+    w = torch.randn(shape[-1], device=DEVICE)
+    xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    liger(xi, wi, EPS, 0.0, "llama", True).sum().backward()
+    _, dx, dw = run(liger, x, w, torch.ones(shape, device=DEVICE), EPS, 0.0, "llama", False)
+    assert torch.equal(xi.grad, dx) and torch.equal(wi.grad, dw)
+    _, dx_exact, dw_exact = run(exact_rms_norm, x.double(), w.double(), torch.ones(shape, device=DEVICE).double(),
+                                EPS, 0.0)
+    assert_close(xi.grad, dx_exact, scale=4, msg="dx")
+    assert_close(wi.grad, dw_exact, scale=4, msg="dw")
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 0), (2, 0, 0)])
+def test_zero_hidden_size(shape):
+    """H == 0 (and no rows either): empty output and gradients, as torch's rms_norm gives."""
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    w = torch.randn(0, device=DEVICE, requires_grad=True)
+    y = liger(x, w, EPS, 0.0, "llama")
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == (0,)
 
 
 @pytest.mark.parametrize("mode,offset", MODES[:3])

@@ -192,6 +192,23 @@ def test_position_ids_index_a_2d_table():
             assert_close(x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool])
+def test_non_integer_position_ids_raise_type_error(dtype):
+    """position_ids gathering a 2-D table must be int64/int32: a float tensor would fail as a
+    bare IndexError, and a uint8/bool one would be read as a mask."""
+    table_cos, table_sin = (t[0] for t in make_cos_sin(1, 50, 8, torch.float32))
+    position_ids = torch.randint(0, 2, (2, 7), device=DEVICE).to(dtype)
+    q = torch.randn(2, 4, 7, 8, device=DEVICE)
+    k = torch.randn(2, 2, 7, 8, device=DEVICE)
+    with pytest.raises(TypeError, match=f"position_ids.*{dtype}"):
+        LigerRopeFunction.apply(q, k, table_cos, table_sin, position_ids)
+    # int32 positions index the table as int64 ones do.
+    positions = torch.randint(0, 50, (2, 7), device=DEVICE)
+    for got, want in zip(LigerRopeFunction.apply(q, k, table_cos, table_sin, positions.int()),
+                         LigerRopeFunction.apply(q, k, table_cos, table_sin, positions)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("size", [(0, 3, 4, 2, 8), (2, 0, 4, 2, 8), (2, 3, 4, 0, 8)])
 def test_empty(size):
     batch, seq, n_q, n_k, head_dim = size

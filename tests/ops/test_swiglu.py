@@ -175,6 +175,32 @@ def test_in_place_falls_back_when_unsafe():
     assert_close(row.grad, ref_row.grad)
 
 
+def halves_of_a_user_tensor(rows, inter, how, requires_grad=True):
+    """A user's leaf x (rows, 2 * inter) and two views of it, a and b: not leaves themselves
+    (when x requires grad), but writing into them writes into x."""
+    x = torch.randn(rows, 2 * inter, device=DEVICE, requires_grad=requires_grad)
+    if how == "slices":
+        a, b = x[:, :inter], x[:, inter:]
+    else:  # views of a view of x
+        a, b = x.view(rows, 2, inter).unbind(1)
+    return x, a, b
+
+
+@pytest.mark.parametrize("how", ["slices", "unbind_of_view"])
+def test_in_place_never_writes_into_views_of_a_leaf(how):
+    """a and b viewing a user's tensor x pass the leaf test themselves; x must keep its
+    values (da/db go to fresh buffers) and get the right gradient."""
+    x, a, b = halves_of_a_user_tensor(4, 33, how)
+    assert not a.is_leaf and not b.is_leaf
+    kept = x.detach().clone()
+    dh = torch.randn(4, 33, device=DEVICE)
+    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
+    assert torch.equal(x.detach(), kept)
+    ref = kept.double().requires_grad_(True)
+    exact_swiglu(ref[:, :33], ref[:, 33:]).backward(dh.double())
+    assert_close(x.grad, ref.grad)
+
+
 def test_in_place_backward_twice_fails_loudly():
     _, _, a, b = _temporaries((3, 8), torch.float32)
     h = LigerSiLUMulFunction.apply(a, b, True)
@@ -373,6 +399,24 @@ def test_gated_down_proj_frozen_weight_and_autocast():
     for name, x, ref in zip(("y", "dw", "dbias"), *results):
         assert x.dtype == ref.dtype, name
         torch.testing.assert_close(x, ref, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("how, requires_grad", [("slices", True), ("unbind_of_view", True), ("slices", False)])
+def test_gated_down_proj_in_place_never_writes_into_views_of_a_leaf(how, requires_grad):
+    """As for the gating alone; also with x not requiring grad (a and b are then leaves
+    themselves, and only the weight's gradient is asked for)."""
+    x, a, b = halves_of_a_user_tensor(4, 33, how, requires_grad)
+    kept = x.detach().clone()
+    w = torch.randn(5, 33, device=DEVICE, requires_grad=True)
+    dy = torch.randn(4, 5, device=DEVICE)
+    LigerGatedDownProjFunction.apply(a, b, w, None, SILU, True).backward(dy)
+    assert torch.equal(x.detach(), kept)
+    ref = kept.double().requires_grad_(requires_grad)
+    ref_w = w.detach().double().requires_grad_(True)
+    F.linear(F.silu(ref[:, :33]) * ref[:, 33:], ref_w).backward(dy.double())
+    assert_close(w.grad, ref_w.grad)
+    if requires_grad:
+        assert_close(x.grad, ref.grad)
 
 
 def test_gated_down_proj_bad_arguments():

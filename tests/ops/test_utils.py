@@ -4,6 +4,8 @@ scale and the column sum of the norm backward's partials."""
 import pytest
 import torch
 
+from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 from liger_kernel.ops.utils import scale_in_place, sum_partials
 from tests.utils import DEVICE
 
@@ -129,3 +131,70 @@ def test_gated_launch_geometry_reads_tunables_at_call_time(monkeypatch):
     assert narrow[1] == 256 and narrow != default
     monkeypatch.setattr(swiglu_ops, "GATED_MAX_BLOCK_COLS", 1024)
     assert swiglu_ops._launch_geometry(64, 4096) == default
+
+
+# ``backward_writes_into_grad``: the norms' backward writes dx over the incoming gradient only
+# when autograd owns it. Each norm as (x, params, in_place) -> y.
+NORMS = {
+    "rms_norm": lambda x, params, in_place: LigerRMSNormFunction.apply(x, params[0], 1e-6, 0.0, "llama", in_place),
+    "layer_norm": lambda x, params, in_place: LigerLayerNormFunction.apply(x, params[0], params[1], 1e-6, in_place),
+}
+
+
+def norm_inputs(norm, shape):
+    x = torch.randn(shape, device=DEVICE)
+    params = [torch.randn(shape[-1], device=DEVICE) for _ in range(2 if norm == "layer_norm" else 1)]
+    return x, params
+
+
+def leaves_of(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_backward_reuses_the_gradient_of_a_projection(norm):
+    """In a model the norm feeds a projection, whose backward hands over a view of a fresh
+    (N, H) product: autograd owns it, so the backward writes dx into it."""
+    x, params = norm_inputs(norm, (2, 3, 123))
+    proj = torch.nn.Linear(123, 17).to(DEVICE)
+    grads = {}
+    for in_place in (True, False):
+        seen = {}
+        xi, *ps = leaves_of(x, *params)
+        xi.register_hook(lambda g, seen=seen: seen.update(dx=g.data_ptr()))
+        y = NORMS[norm](xi, ps, in_place)
+        y.register_hook(lambda g, seen=seen: seen.update(dy=g.data_ptr()))
+        proj(y).sum().backward()
+        assert (seen["dx"] == seen["dy"]) == in_place
+        grads[in_place] = [xi.grad, *(p.grad for p in ps)]
+    for with_write, without in zip(grads[True], grads[False]):
+        assert torch.equal(with_write, without)
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd_grad", "through_view", "through_add"])
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_backward_leaves_the_callers_grad_alone(norm, how):
+    """autograd hands the very tensor given to ``backward(g)`` / ``autograd.grad(.., g)`` to the
+    norm's backward (also through an addition, or as a view of it through view ops): with
+    ``in_place=True`` it must still keep its values, and the grads be the out-of-place ones."""
+    x, params = norm_inputs(norm, (6, 123))
+    g = torch.randn(6, 123, device=DEVICE)
+    kept = g.clone()
+    reference = leaves_of(x, *params)
+    NORMS[norm](reference[0], reference[1:], False).backward(g)
+    leaves = leaves_of(x, *params)
+    y = NORMS[norm](leaves[0], leaves[1:], True)
+    if how == "backward":
+        y.backward(g)
+    elif how == "autograd_grad":
+        for leaf, grad in zip(leaves, torch.autograd.grad(y, leaves, g)):
+            leaf.grad = grad
+    elif how == "through_view":
+        y.view(-1).backward(g.view(-1))
+    else:
+        other = torch.randn(6, 123, device=DEVICE, requires_grad=True)
+        (y + other).backward(g)
+        assert torch.equal(other.grad, kept)
+    assert torch.equal(g, kept)
+    for leaf, want in zip(leaves, reference):
+        assert torch.equal(leaf.grad, want.grad)

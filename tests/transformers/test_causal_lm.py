@@ -3,9 +3,11 @@
 Each test runs a patched instance and an unpatched deep copy of the same tiny fp32 model on
 the same batch and compares loss, gradients and outputs: label shifting, ``ignore_index``,
 ``shift_labels``, ``num_items_in_batch`` (and the exact gradient accumulation it enables),
-``logits_to_keep``, ``return_dict=False``, ``skip_logits``, Gemma 2's final-logit soft-cap,
-Mixtral's router auxiliary loss, ``cross_entropy=True``, the signature the Trainer and
-``generate()`` inspect, and greedy generation.
+``logits_to_keep`` (every form the installed HF takes), ``return_dict=False``, ``skip_logits``,
+Gemma 2's final-logit soft-cap, Mixtral's router auxiliary loss, ``cross_entropy=True``, the
+signature the Trainer and ``generate()`` inspect, greedy generation and accelerate offload.
+All-ignored labels are the one intended difference: loss 0 (the library's convention), where
+HF gives NaN.
 
 Tolerance: the fused kernel computes the same fp32 log-softmax as HF's upcast
 ``cross_entropy`` in a different summation order (chunks of rows, blocks of the vocabulary),
@@ -26,6 +28,7 @@ pytest.importorskip("transformers")
 
 from liger_kernel.transformers import _apply_liger_kernel_to_instance, revert_liger_kernel  # noqa: E402
 from liger_kernel.transformers.causal_lm import liger_causal_lm_loss  # noqa: E402
+from liger_kernel.transformers.monkey_patch import _instance_patched  # noqa: E402
 from tests.transformers.model_configs import VOCAB, build_model, random_batch  # noqa: E402
 from tests.utils import DEVICE  # noqa: E402
 
@@ -147,6 +150,121 @@ def test_logits_to_keep(logits_to_keep):
         _assert_same_grads(grads, ref_grads)
         with pytest.raises(ValueError, match="logits_to_keep"):
             patched(input_ids=batch["input_ids"], labels=batch["labels"], logits_to_keep=kept)
+
+
+def _two_dim_logits_to_keep(form: str, batch: int, seq: int) -> torch.Tensor:
+    if form == "positions":  # (B, k) integer positions, one row each
+        return torch.tensor([[0, 5, seq - 1], [seq - 2, 1, 7]], device=DEVICE)[:batch]
+    mask = torch.zeros(batch, seq, dtype=torch.bool, device=DEVICE)  # a different count per row
+    mask[0, [1, 4, seq - 1]] = True
+    mask[1, [0, 9]] = True
+    return mask
+
+
+def _targets_kept(shift_labels: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.Tensor:
+    """``shift_labels`` (B, T) at the positions ``logits_to_keep`` keeps, shaped like the kept logits' rows."""
+    if logits_to_keep.dtype == torch.bool:
+        return shift_labels[logits_to_keep]
+    return torch.take_along_dim(shift_labels, logits_to_keep, dim=1)
+
+
+@pytest.mark.parametrize("form", ["positions", "mask"])
+def test_logits_to_keep_two_dimensional(form):
+    from liger_kernel.transformers.causal_lm import _hf_slice_logits_to_keep
+
+    reference, patched = _pair()
+    batch = random_batch(VOCAB, seed=14)
+    input_ids = batch["input_ids"]
+    logits_to_keep = _two_dim_logits_to_keep(form, *input_ids.shape)
+    if _hf_slice_logits_to_keep() is None:
+        # transformers without slice_logits_to_keep (5.17) supports int / 1-D only.
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            _run(patched, train=False, input_ids=input_ids, logits_to_keep=logits_to_keep)
+        return
+    ref_out, _ = _run(reference, train=False, input_ids=input_ids, logits_to_keep=logits_to_keep)
+    out, _ = _run(patched, train=False, input_ids=input_ids, logits_to_keep=logits_to_keep)
+    assert out.logits.shape == ref_out.logits.shape
+    assert out.logits.shape == ((5, VOCAB) if form == "mask" else (2, 3, VOCAB))
+    torch.testing.assert_close(out.logits, ref_out.logits, **TOL)
+
+    # Training through the fused kernel on the kept positions: HF takes aligned shift_labels
+    # (its loss only runs with labels, which shift_labels then overrides).
+    shift_labels = torch.randint(3, VOCAB, input_ids.shape, device=DEVICE)
+    shift_labels[0, 4] = -100
+    inputs = dict(input_ids=input_ids, labels=batch["labels"], logits_to_keep=logits_to_keep,
+                  shift_labels=_targets_kept(shift_labels, logits_to_keep))
+    ref_out, ref_grads = _run(reference, **inputs)
+    out, grads = _run(patched, **inputs)
+    assert out.logits is None  # the fused path ran
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    _assert_same_grads(grads, ref_grads)
+    with pytest.raises(ValueError, match="logits_to_keep"):  # targets for every position
+        patched(input_ids=input_ids, labels=batch["labels"], logits_to_keep=logits_to_keep)
+
+
+def test_logits_to_keep_without_hf_slice_function(monkeypatch):
+    # transformers 5.17 indexes hidden_states[:, logits_to_keep, :] itself and documents int
+    # and 1-D forms only: those must still match, a 2-D tensor must raise a clear error.
+    from liger_kernel.transformers import causal_lm
+
+    monkeypatch.setattr(causal_lm, "_hf_slice_logits_to_keep", lambda: None)
+    reference, patched = _pair()
+    input_ids = random_batch(VOCAB, seed=15)["input_ids"]
+    seq = input_ids.shape[1]
+    for logits_to_keep in (0, 3, torch.tensor([2, seq - 1], device=DEVICE)):
+        ref_out, _ = _run(reference, train=False, input_ids=input_ids, logits_to_keep=logits_to_keep)
+        out, _ = _run(patched, train=False, input_ids=input_ids, logits_to_keep=logits_to_keep)
+        torch.testing.assert_close(out.logits, ref_out.logits, **TOL)
+    for form in ("positions", "mask"):
+        with pytest.raises(ValueError, match="logits_to_keep of shape"):
+            patched(input_ids=input_ids, logits_to_keep=_two_dim_logits_to_keep(form, *input_ids.shape))
+
+
+@pytest.mark.parametrize("path", ["fused", "logits_train", "logits_eval"])
+def test_all_ignored_labels_give_zero_loss_and_zero_grads(path):
+    # The library's convention (liger_cross_entropy): a mean over no counted target is 0
+    # with zero gradients, never NaN - on the fused path and on the logits path alike.
+    _, patched = _pair()
+    batch = random_batch(VOCAB, seed=16)
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    options = {"fused": dict(train=True), "logits_train": dict(train=True, skip_logits=False),
+               "logits_eval": dict(train=False)}[path]
+    out, grads = _run(patched, **batch, **options)
+    assert (out.logits is None) == (path == "fused")
+    assert out.loss.item() == 0.0
+    if path != "logits_eval":
+        assert grads and all(torch.count_nonzero(g) == 0 for g in grads.values())
+    # Shifted targets that are all ignored (the last position of every row is ignored anyway).
+    shift_labels = torch.full_like(batch["labels"], -100)
+    out, _ = _run(patched, input_ids=batch["input_ids"], shift_labels=shift_labels, **options)
+    assert out.loss.item() == 0.0
+
+
+@pytest.mark.parametrize("order", ["patch_then_offload", "offload_then_patch"])
+def test_accelerate_cpu_offload_matches_unpatched(order):
+    # accelerate's offload keeps the weights on the meta device until each module's hook
+    # loads them: the fused lm-head loss and the fused down projection read weights directly
+    # and must call such modules instead.
+    accelerate = pytest.importorskip("accelerate")
+
+    reference = build_model("llama", seed=7)
+    patched = copy.deepcopy(reference)
+    if order == "patch_then_offload":
+        _apply_liger_kernel_to_instance(patched)
+    accelerate.cpu_offload(patched, execution_device=torch.device(DEVICE))
+    if order == "offload_then_patch":
+        _apply_liger_kernel_to_instance(patched)
+    assert _instance_patched(patched) and _instance_patched(patched.model.layers[0].mlp)
+    assert patched.lm_head.weight.device.type == "meta"
+    assert patched.model.layers[0].mlp.down_proj.weight.device.type == "meta"
+    batch = random_batch(VOCAB, seed=17)
+    for train in (True, False):
+        reference.train(train)
+        patched.train(train)
+        ref_out, out = reference(**batch), patched(**batch)
+        torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+        if not train:
+            torch.testing.assert_close(out.logits, ref_out.logits, **TOL)
 
 
 def test_return_dict_false_gives_hf_tuples():

@@ -1,6 +1,7 @@
 """The patching mechanism: generated apply functions, class-level patch and revert, instance
-patching (every norm / MLP / attention, other instances untouched), kwargs filtering, weight
-initialisation, and forward/backward equality with the unpatched HF model for every family.
+patching (every norm / MLP / attention, other instances untouched; user subclasses), kwargs
+filtering, weight initialisation, pickling of patched models, and forward/backward equality
+with the unpatched HF model for every family.
 
 Models are the tiny configs of :mod:`tests.transformers.model_configs` in fp32; the Liger
 kernels differ from HF's PyTorch ops only by rounding (a few fp32 ulps per op), so one
@@ -13,6 +14,7 @@ import copy
 import importlib
 import inspect
 import logging
+import os
 
 import pytest
 import torch
@@ -417,3 +419,113 @@ def test_liger_patched_modules_lists_instance_and_class_level_patches():
     assert "model.layers.0.self_attn" not in class_names  # class-level RoPE swaps a function, not a forward
     # Reverting restores the class's forward; the Liger modules built meanwhile stay.
     assert "" not in liger_patched_modules(built) and "model.norm" in liger_patched_modules(built)
+
+
+def _pickle_round_trip(model):
+    import pickle
+
+    return pickle.loads(pickle.dumps(model))
+
+
+def _torch_save_round_trip(model):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("patch_level", ["instance", "class"])
+def test_patched_model_pickles_saves_and_deepcopies(patch_level):
+    """Pickle stores a class by module and qualified name: the cached same-named subclasses of
+    instance patching and the type()-built Liger classes of class patching must still load,
+    patched, and compute what the original computes."""
+    from liger_kernel.transformers import liger_patched_modules, monkey_patch
+
+    if patch_level == "instance":
+        model = build_model("llama", seed=2)
+        _apply_liger_kernel_to_instance(model)
+    else:
+        with liger_kernel_patched("llama"):
+            model = build_model("llama", seed=2)
+        assert type(model.model.norm).__name__ == "LigerLlamaRMSNorm"
+    batch = random_batch(VOCAB, seed=9)
+    loss_and_grads(model, batch)  # a training step first: it installs the recompute hooks
+    model.eval()
+    expected = model(**batch).logits
+    patched_names = liger_patched_modules(model)
+    for round_trip in (_pickle_round_trip, _torch_save_round_trip, copy.deepcopy):
+        clone = round_trip(model)
+        for (name, module), (_, original) in zip(clone.named_modules(), model.named_modules()):
+            assert type(module) is type(original), (round_trip.__name__, name)
+        assert liger_patched_modules(clone) == patched_names
+        torch.testing.assert_close(clone(**batch).logits, expected, atol=0, rtol=0)
+    assert not hasattr(monkey_patch, "LigerNotAClass")  # the module's __getattr__ knows its names only
+
+
+def test_pickled_patched_model_loads_in_a_fresh_process(tmp_path):
+    # A process that has patched nothing has none of the dynamic classes yet: loading must
+    # build them (the class-level ones through the module's __getattr__, the instance-level
+    # ones through their reduction).
+    import subprocess
+    import sys
+
+    # Saved and loaded on CPU (the child runs the kernels in the Triton interpreter); the
+    # expected logits come from the unpatched model, which runs anywhere.
+    reference = build_model("llama", seed=3).cpu().eval()
+    instance = copy.deepcopy(reference)
+    _apply_liger_kernel_to_instance(instance)
+    with liger_kernel_patched("llama"):
+        class_level = build_model("llama", seed=3).cpu().eval()  # HF init: the reference's weights
+    batch = random_batch(VOCAB, seed=10, device="cpu")
+    path = tmp_path / "models.pt"
+    torch.save({"models": [instance, class_level], "batch": batch, "logits": reference(**batch).logits}, path)
+    script = (
+        "import sys, torch\n"
+        "from liger_kernel.transformers import liger_patched_modules\n"
+        "saved = torch.load(sys.argv[1], weights_only=False)\n"
+        "for model in saved['models']:\n"
+        "    assert liger_patched_modules(model), type(model)\n"
+        f"    torch.testing.assert_close(model(**saved['batch']).logits, saved['logits'], **{FP32_TOL!r})\n"
+        "print('loaded', [type(m.model.norm).__name__ for m in saved['models']])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded ['LlamaRMSNorm', 'LigerLlamaRMSNorm']" in result.stdout
+
+
+def test_subclass_of_the_causal_lm_is_patched(caplog):
+    modeling = _modeling("llama")
+
+    class MyLlama(modeling.LlamaForCausalLM):
+        pass
+
+    class MyLlamaWithForward(modeling.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    config = tiny_config("llama")
+    reference = build_model("llama", seed=4)
+    batch = random_batch(VOCAB, seed=11)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+
+    model = MyLlama(config).to(reference.device)
+    model.load_state_dict(reference.state_dict())
+    _apply_liger_kernel_to_instance(model)
+    assert _bound_in_instance(model) and type(model).__name__ == "MyLlama" and isinstance(model, MyLlama)
+    model.train()
+    assert model(**batch).logits is None  # the fused-loss forward
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
+
+    # A subclass with its own forward keeps it (the rest of the model is still patched).
+    own = MyLlamaWithForward(config).to(reference.device)
+    with caplog.at_level(logging.WARNING, logger="liger_kernel"):
+        _apply_liger_kernel_to_instance(own)
+    assert "MyLlamaWithForward" in caplog.text
+    assert not _bound_in_instance(own) and _bound_in_instance(own.model.norm)
+    assert own.forward.__func__ is MyLlamaWithForward.forward

@@ -149,3 +149,28 @@ def test_functional_alias():
     a = torch.randn(4, 9, device=DEVICE)
     b = torch.randn(4, 9, device=DEVICE)
     torch.testing.assert_close(liger_swiglu(a, b), torch.nn.functional.silu(a) * b, rtol=1e-5, atol=1e-6)
+
+
+def test_offloaded_down_proj_is_called_through_its_hook():
+    # accelerate's offload keeps each weight on the meta device until the hook of the module
+    # it belongs to loads it; the fused down projection reads down_proj.weight directly, so it
+    # must call such a module instead (a meta weight would raise, or compute garbage).
+    accelerate = pytest.importorskip("accelerate")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from liger_kernel.transformers.swiglu import _fusable_linear
+
+    config = llama_config(16, 40)
+    hf = LlamaMLP(config).to(DEVICE)
+    liger = LigerSwiGLUMLP(config).to(DEVICE)
+    liger.load_state_dict(hf.state_dict())
+    assert _fusable_linear(liger.down_proj)
+    accelerate.cpu_offload(liger, execution_device=torch.device(DEVICE))
+    assert liger.down_proj.weight.device.type == "meta"
+    assert not _fusable_linear(liger.down_proj)
+    x = torch.randn(3, 16, device=DEVICE)
+    torch.testing.assert_close(liger(x), hf(x), rtol=1e-5, atol=1e-6)
+    x_hf, x_liger = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    hf(x_hf).sum().backward()
+    liger(x_liger).sum().backward()
+    torch.testing.assert_close(x_liger.grad, x_hf.grad, rtol=1e-5, atol=1e-6)

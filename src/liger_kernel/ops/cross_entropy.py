@@ -45,6 +45,7 @@ all ignored is 0 with zero gradients (torch gives NaN); class weights get no gra
 """
 
 import functools
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -62,6 +63,7 @@ from liger_kernel.ops.utils import (
     multiprocessor_count,
     next_power_of_2,
     num_programs_for_rows,
+    once_differentiable,
     row_launch_settings,
     scale_gradient,
 )
@@ -917,14 +919,36 @@ def check_loss_options(
     return float(softcap)
 
 
-def check_class_weight(class_weight: torch.Tensor | None, n_cols: int, name: str = "weight") -> None:
+def check_class_weight(class_weight: torch.Tensor | None, n_cols: int, name: str = "weight") -> torch.Tensor | None:
+    """Validate the class weights; returns them as the kernel reads them, with unit stride
+    (it addresses ``class_weight_ptr + c``: a strided view such as ``w[::2]`` would be read
+    wrong, silently). Copies only a non-contiguous ``class_weight``."""
     if class_weight is None:
-        return
+        return None
     check_float_dtype(class_weight, name)
     if class_weight.dim() != 1 or class_weight.shape[0] != n_cols:
         raise ValueError(
             f"{name} (class weights) must have shape ({n_cols},), one per class, got {tuple(class_weight.shape)}"
         )
+    return class_weight.contiguous()
+
+
+def check_ignore_index(ignore_index: object) -> int:
+    """``ignore_index`` as the kernel's integer: a Python (or NumPy) integer, or a 0-dim
+    integer tensor. Anything else raises ``TypeError``: ``int()`` would truncate a float such
+    as -100.5 to -100, silently changing which targets are ignored, and a bool is a flag
+    given in the wrong place."""
+    if isinstance(ignore_index, torch.Tensor):
+        dtype = ignore_index.dtype
+        integral = ignore_index.dim() == 0 and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        described = f"a tensor of dtype {dtype} and shape {tuple(ignore_index.shape)}"
+    else:
+        integral = isinstance(ignore_index, numbers.Integral) and not isinstance(ignore_index, bool)
+        described = f"{type(ignore_index).__name__} {ignore_index!r}"
+    if not integral:
+        raise TypeError(f"ignore_index must be an integer class index (an int or a 0-dim integer tensor), "
+                        f"got {described}")
+    return int(ignore_index)
 
 
 class LigerCrossEntropyFunction(torch.autograd.Function):
@@ -969,7 +993,8 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         if n_cols < 1:
             raise ValueError("input (logits) must have at least one class")
         check_same_device([("input", logits), ("target", target), ("weight", weight)])
-        check_class_weight(weight, n_cols)
+        weight = check_class_weight(weight, n_cols)
+        ignore_index = check_ignore_index(ignore_index)
         softcap_value = check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
         check_target(target, n_rows, n_cols, ignore_index)
         if logits.stride(1) != 1 and n_cols > 1:
@@ -980,7 +1005,7 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
             logits,
             target,
             weight,
-            int(ignore_index),
+            ignore_index,
             float(label_smoothing),
             float(lse_square_scale),
             softcap_value,
@@ -998,6 +1023,7 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         return loss, z_loss, accuracy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
         (grad,) = ctx.saved_tensors
         if not ctx.compute_grad:

@@ -37,6 +37,7 @@ import torch
 
 from liger_kernel.ops.cross_entropy import (
     check_class_weight,
+    check_ignore_index,
     check_loss_options,
     launch_cross_entropy_kernel,
     mean_denominators,
@@ -47,6 +48,7 @@ from liger_kernel.ops.utils import (
     check_same_device,
     check_tensor,
     liger_custom_op,
+    once_differentiable,
     scale_gradient,
 )
 
@@ -466,7 +468,8 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 ("ce_weight", ce_weight),
             ]
         )
-        check_class_weight(ce_weight, n_cols, "ce_weight")
+        ce_weight = check_class_weight(ce_weight, n_cols, "ce_weight")
+        ignore_index = check_ignore_index(ignore_index)
         softcap_value = check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
         # The range check's verdict is awaited only after the chunk loop is queued: waiting
         # first would drain the GPU's queue (a bad target never addresses memory; the
@@ -477,7 +480,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         # needs_input_grad covers only the arguments given to apply (bias may be omitted).
         needs_input, needs_weight, _, needs_bias = (tuple(ctx.needs_input_grad) + (False,) * 4)[:4]
         needs_bias = bool(needs_bias) and bias is not None
-        options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), softcap_value)
+        options = (ignore_index, float(label_smoothing), float(lse_square_scale), softcap_value)
         in_forward = reduction != "none"
         loss, z_loss, accuracy, grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_forward(
             x,
@@ -506,6 +509,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         return loss, z_loss, accuracy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
         needs_input, needs_weight, needs_bias = ctx.needs
         if ctx.reduction != "none":

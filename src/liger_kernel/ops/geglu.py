@@ -29,6 +29,7 @@ from liger_kernel.ops.swiglu import (
     gated_function_forward,
     make_gated_ops,
 )
+from liger_kernel.ops.utils import once_differentiable
 
 GEGLU_OPS = make_gated_ops("geglu", GELU_TANH)
 GATED_OPS[GELU_TANH] = GEGLU_OPS
@@ -48,6 +49,7 @@ class LigerGELUMulFunction(torch.autograd.Function):
         return gated_function_forward(ctx, GEGLU_OPS, a, b, in_place)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_h: torch.Tensor):
         da, db = gated_function_backward(ctx, GEGLU_OPS, grad_h)
         return da, db, None

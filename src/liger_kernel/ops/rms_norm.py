@@ -71,6 +71,7 @@ from liger_kernel.ops.utils import (
     check_tensor,
     launch_kernel,
     liger_custom_op,
+    once_differentiable,
     row_norm_backward_kernel,
     row_norm_forward_kernel,
     row_norm_grad_buffers,
@@ -212,6 +213,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         X, W, rstd = ctx.saved_tensors
         write_into_grad = backward_writes_into_grad(ctx.in_place, grad_output, X)

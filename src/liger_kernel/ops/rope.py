@@ -64,6 +64,7 @@ from liger_kernel.ops.utils import (
     launch_kernel,
     liger_custom_op,
     next_power_of_2,
+    once_differentiable,
     row_launch_settings,
 )
 
@@ -261,6 +262,11 @@ def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order):
 def _as_table(x: torch.Tensor, name: str, position_ids: torch.Tensor | None) -> torch.Tensor:
     if x.dim() == 2:
         # A (max_positions, R) table: gathered by position_ids when given, else (T, R).
+        if position_ids is not None and position_ids.dtype not in (torch.int64, torch.int32):
+            # Indexing would raise a bare IndexError for floats, and read a uint8/bool
+            # tensor as a mask rather than as positions.
+            raise TypeError(f"position_ids must hold integer positions (int64 or int32) to index the 2-D {name} "
+                            f"table, got dtype {position_ids.dtype}")
         x = x[position_ids] if position_ids is not None else x.unsqueeze(0)
     if x.dim() != 3:
         raise ValueError(f"{name} must have shape (T, R), (1, T, R) or (B, T, R), got {tuple(x.shape)}")
@@ -329,6 +335,7 @@ class LigerRopeFunction(torch.autograd.Function):
         return q_embed, k_embed
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_q_embed: torch.Tensor, grad_k_embed: torch.Tensor):
         cos, sin = ctx.saved_tensors
         if ctx.unsqueeze_dim == 2:

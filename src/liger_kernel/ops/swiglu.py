@@ -41,7 +41,8 @@ In-place backward (``in_place=True``, opt-in): ``da`` is written over ``a``'s st
 else will read ``a`` or ``b`` again - true in a gated MLP, where both are temporaries
 (outputs of the gate/up projections, which do not save their outputs). The Function
 falls back to fresh outputs when it cannot prove the write safe: ``a`` or ``b`` is a leaf
-(a user tensor), the two may overlap in memory (e.g. ``a is b``), a tensor overlaps itself
+(a user tensor) or a view of one (e.g. the halves ``x[:, :I]``, ``x[:, I:]`` of a user's
+``x``), the two may overlap in memory (e.g. ``a is b``), a tensor overlaps itself
 (an expanded view), or the backward is being traced by ``torch.compile`` (whose
 functionalisation would copy anyway). After writing, the version counters of ``a`` and
 ``b`` are bumped, so a second backward through the same graph (``retain_graph=True``)
@@ -71,6 +72,7 @@ from liger_kernel.ops.utils import (
     launch_kernel,
     liger_custom_op,
     next_power_of_2,
+    once_differentiable,
     row_launch_settings,
 )
 
@@ -349,9 +351,22 @@ def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
                            activation=activation)
 
 
+def _is_or_views_a_leaf(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a leaf or a view of one (its storage is then the caller's tensor).
+
+    A slice of a user's tensor (``x[:, :I]`` of an ``x`` that requires grad) is not a leaf
+    itself, but writing into it writes into ``x``, whose bumped version counter nobody
+    checks. Views of non-leaves need no such test: a tensor autograd saved is checked
+    against its version when unpacked, so overwriting it raises rather than going unseen.
+    """
+    while x._base is not None:  # _base is the root of the view chain; the loop is defensive
+        x = x._base
+    return x.is_leaf
+
+
 def _in_place_is_safe(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether da/db may be written over a/b (see the module docstring)."""
-    if a.is_leaf or b.is_leaf:
+    if _is_or_views_a_leaf(a) or _is_or_views_a_leaf(b):
         return False
     if (a.is_contiguous() and b.is_contiguous()
             and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()):
@@ -408,6 +423,7 @@ class LigerSiLUMulFunction(torch.autograd.Function):
         return gated_function_forward(ctx, SWIGLU_OPS, a, b, in_place)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_h: torch.Tensor):
         da, db = gated_function_backward(ctx, SWIGLU_OPS, grad_h)
         return da, db, None
@@ -464,6 +480,7 @@ class LigerGatedDownProjFunction(torch.autograd.Function):
         return torch.nn.functional.linear(h, weight, bias)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
         a, b, weight, bias = ctx.saved_tensors
         ops = GATED_OPS[ctx.activation]

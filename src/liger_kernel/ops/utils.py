@@ -11,6 +11,7 @@ Everything an op needs besides its own kernel lives here once:
 * argument checks that raise clear ``TypeError``/``ValueError`` naming the argument.
 * :func:`ensure_contiguous_last_dim` - makes the last dimension unit-stride without
   copying when it already is.
+* :func:`once_differentiable` - the decorator of every autograd Function's backward.
 
 This module imports only torch and triton.
 """
@@ -18,7 +19,9 @@ This module imports only torch and triton.
 from __future__ import annotations
 
 import functools
+import math
 import os
+import sys
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -168,14 +171,18 @@ def ensure_contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """View ``x`` of shape (..., H) as (N, H) with unit column stride, copying only if it must."""
+    """View ``x`` of shape (..., H) as (N, H) with unit column stride, copying only if it must.
+
+    N is the product of the leading sizes, given explicitly: a ``-1`` could not be inferred
+    for an empty row (H == 0), and (N, 0) is what the norms' launchers expect there."""
     x = ensure_contiguous_last_dim(x)
     if x.dim() == 1:
         return x.unsqueeze(0)
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])
     try:
-        return x.view(-1, x.shape[-1])
+        return x.view(shape)
     except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
+        return x.reshape(shape)
 
 
 TORCH_TO_TRITON_DTYPE = {
@@ -328,6 +335,78 @@ def liger_custom_op(name: str, mutates_args: Sequence[str] = ()):
     return decorator
 
 
+# --------------------------------------------------------------------------------------
+# Backward passes are differentiable once only.
+#
+# Every backward here runs Triton kernels (or writes into buffers) that autograd cannot see
+# through, so the gradients it returns have no graph back to the inputs: differentiating
+# them again (``create_graph=True``, then a second backward) must raise, never return a
+# second derivative that silently lacks this op's part.
+# --------------------------------------------------------------------------------------
+
+
+class _SecondDerivativeRaises(torch.autograd.Function):
+    """``apply(n, *tensors)``: aliases of the first ``n`` tensors (a once-differentiable
+    backward's gradients); differentiating them raises. The other tensors (the Function's
+    saved inputs) only connect this node to them, so that a second derivative with respect
+    to them, ``torch.autograd.grad(.., inputs)`` included, runs into it."""
+
+    @staticmethod
+    def forward(ctx, n_grads: int, *tensors: torch.Tensor):
+        # Aliases, not the inputs themselves: autograd attaches this node to outputs only.
+        return tuple(t.detach() for t in tensors[:n_grads])
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError("trying to differentiate twice a liger_kernel op: its backward is once_differentiable "
+                           "(double backward is not supported)")
+
+
+def once_differentiable(backward):
+    """``torch.autograd.function.once_differentiable`` for an autograd Function's backward,
+    closing the gaps through which a second derivative comes out silently wrong.
+
+    torch's decorator runs the backward without grad and, under ``create_graph=True``, marks
+    the gradients so that differentiating them raises, but only when an incoming gradient
+    requires grad, and with a node connected to nothing: with incoming gradients that do
+    not require grad (the gradient of ``y.sum()``) the results look constant in the inputs,
+    and ``torch.autograd.grad(f(grad_x) + g(x), x)`` never reaches the marking node; either
+    way the second derivative silently lacks this op's part. Here, under ``create_graph``,
+    every gradient is marked by a node also connected to the saved inputs that require
+    grad, which a second derivative with respect to them must pass. (A Function that saves
+    none of its inputs, e.g. one that keeps only gradients computed in its forward, is
+    marked unconnected, as by torch's decorator.) Without ``create_graph`` the backward's
+    results are returned untouched.
+    """
+    checked = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():
+            # No graph asked for (the usual backward, run with grad mode off): nothing to
+            # mark, and no need for torch's no_grad context (host time on every call).
+            return backward(ctx, *grads)
+        if torch.compiler.is_compiling():
+            return checked(ctx, *grads)
+        # Unpacked before the backward runs: it may scale a saved buffer in place, which a
+        # later unpack would report as a modified saved tensor.
+        anchors = [t for t in ctx.saved_tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+        outputs = checked(ctx, *grads)
+        single = not isinstance(outputs, tuple)
+        results = [outputs] if single else list(outputs)
+        positions = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
+        if positions:
+            # Detached leaves that require grad (as torch's decorator makes them), so that the
+            # node is recorded even where no anchor requires grad.
+            marked = _SecondDerivativeRaises.apply(
+                len(positions), *(results[i].detach().requires_grad_() for i in positions), *anchors)
+            for i, tensor in zip(positions, marked):
+                results[i] = tensor
+        return results[0] if single else tuple(results)
+
+    return wrapper
+
+
 # ======================================================================================
 # Row normalisation (RMSNorm, LayerNorm): shared kernels and launch tunables.
 #
@@ -442,12 +521,107 @@ def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool
 
 
 def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether a norm's in-place backward may write dx over ``grad_output``: asked for, and
-    grad_output is contiguous with x's dtype. Never under torch.compile, where the backward
-    must not mutate its input (it may be a view the traced graph created without grad;
-    Inductor plans the buffers itself)."""
-    return (in_place and not torch.compiler.is_compiling() and grad_output.is_contiguous()
-            and grad_output.dtype == x.dtype)
+    """Whether a norm's in-place backward may write dx over ``grad_output``.
+
+    Only where asked for (``in_place``) and grad_output is a buffer that autograd made for
+    this backward and nobody reads afterwards:
+
+    * contiguous, of x's dtype and without a zero stride: the backward of ``y.sum()`` hands
+      over one scalar expanded to y's shape, one element behind all of them;
+    * not part of a graph (``create_graph=True``), which may have saved it;
+    * not the caller's tensor: autograd passes the very tensor given to ``y.backward(g)`` or
+      ``torch.autograd.grad(y, x, g)`` into the backward (also through ops that pass a
+      gradient on unchanged, such as an addition, or as a view of it through view ops), and
+      the caller may read ``g`` again. No API tells autograd's own buffers from others;
+      :func:`_grad_owned_by_autograd` tells them by their Python references.
+
+    Never under torch.compile, where the backward must not mutate its input (it may be a
+    view the traced graph created without grad; Inductor plans the buffers itself).
+
+    Memory: where the write is refused the backward allocates dx, one more (N, H) buffer
+    while it runs. In a model the norm's gradient comes from the projections it feeds, a
+    fresh tensor that autograd owns, so training keeps the saving; a gradient passed in by
+    the caller (or held by a hook) costs the buffer instead of being overwritten.
+    """
+    return (in_place and not torch.compiler.is_compiling() and grad_output.dtype == x.dtype
+            and grad_output.is_contiguous() and 0 not in grad_output.stride() and not grad_output.requires_grad
+            and _grad_owned_by_autograd(grad_output))
+
+
+# Python references to a gradient that autograd made itself, as _grad_owned_by_autograd counts
+# them when a norm's backward asks backward_writes_into_grad: (the gradient's own count, the
+# count of the tensor it is a view of). None: unknown, so nothing is written in place.
+# Measured at import by _calibrate_owned_grad_references.
+_OWNED_GRAD_REFERENCES: tuple[int, int] | None = None
+# Set while calibrating: _grad_owned_by_autograd records its counts here instead of deciding.
+_CALIBRATION_COUNTS: list[tuple[int, int]] | None = None
+
+
+def _grad_owned_by_autograd(grad: torch.Tensor) -> bool:
+    """Whether no Python code holds ``grad``, or the tensor it is a view of, besides the
+    backward that received it: then autograd made it for that backward alone.
+
+    A gradient computed inside autograd's engine reaches a Python backward with only the
+    references of the call chain; one the caller passed to ``backward()``/``autograd.grad``,
+    or that a hook keeps, has the caller's too, and a view of it (through view ops of the
+    graph) has it as ``_base``. The counts are CPython's ``sys.getrefcount``, compared with
+    those of a gradient autograd made, measured through the same call chain (an autograd
+    Function whose decorated backward calls backward_writes_into_grad as the norms' do).
+    Without CPython reference counts (another interpreter, a free-threaded build) nothing
+    counts as owned. References held in C++ only are not seen: a gradient autograd hands to
+    two branches of the graph (the norm's output added to a residual stream that requires
+    grad) counts as owned; that case stays the caller's to avoid with ``in_place=False``.
+    """
+    base = grad._base
+    counts = (sys.getrefcount(grad), 0 if base is None else sys.getrefcount(base))
+    if _CALIBRATION_COUNTS is not None:
+        _CALIBRATION_COUNTS.append(counts)
+        return False
+    limits = _OWNED_GRAD_REFERENCES
+    return limits is not None and counts[0] <= limits[0] and counts[1] <= limits[1]
+
+
+class _GradOwnershipProbe(torch.autograd.Function):
+    """Calibration of _OWNED_GRAD_REFERENCES: ``y = 2x`` whose backward reaches
+    backward_writes_into_grad exactly as the norms' backward does."""
+
+    @staticmethod
+    def forward(ctx, X: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(X)
+        ctx.in_place = True
+        return X * 2.0
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        (X,) = ctx.saved_tensors
+        write_into_grad = backward_writes_into_grad(ctx.in_place, grad_output, X)
+        return grad_output * 2.0 if not write_into_grad else grad_output
+
+
+def _calibrate_owned_grad_references() -> tuple[int, int] | None:
+    """Counts of :func:`_grad_owned_by_autograd` for gradients autograd made: one plain, one a
+    view of another (None where they cannot be measured)."""
+    global _CALIBRATION_COUNTS
+    if sys.implementation.name != "cpython" or not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return None
+    _CALIBRATION_COUNTS = []
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(2, 4, device="cpu", requires_grad=True)
+            (_GradOwnershipProbe.apply(x) * 2.0).sum().backward()  # a fresh (2, 4) gradient
+            (_GradOwnershipProbe.apply(x).view(-1) * 2.0).sum().backward()  # a (2, 4) view of a fresh (8,)
+        (plain, plain_base), (viewed, base) = _CALIBRATION_COUNTS
+    except Exception:  # any surprise here only means: never write in place
+        return None
+    finally:
+        _CALIBRATION_COUNTS = None
+    if plain_base != 0 or base == 0:
+        return None  # the probes did not see the gradients they were built for
+    return min(plain, viewed), base
+
+
+_OWNED_GRAD_REFERENCES = _calibrate_owned_grad_references()
 
 
 def row_norm_grad_buffers(grad_output: torch.Tensor, x: torch.Tensor,

@@ -13,8 +13,13 @@ Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_uti
   gradient accumulation over micro-batches reproduces the full-batch mean exactly), without
   it the mean over counted tokens:
   ``loss = sum_t CE(W h_t, y_t) / (num_items_in_batch or #{t : y_t != ignore_index})``;
-* ``logits_to_keep`` (int ``k``: the last ``k`` positions, 0 = all; or an index tensor) selects
-  the positions whose logits (and loss) are computed;
+* ``logits_to_keep`` (int ``k``: the last ``k`` positions, 0 = all; a 1-D tensor of positions;
+  with transformers versions that have ``slice_logits_to_keep``, also a 2-D (B, k) tensor of
+  positions per row or a (B, T) boolean mask) selects the positions whose logits (and loss)
+  are computed, exactly as the installed HF forward does (:func:`_positions_to_keep`);
+* a batch whose targets are all ``ignore_index`` gives loss 0 with zero gradients, on the
+  fused and on the logits path alike (the library's convention for a mean over no targets;
+  HF's loss gives NaN there);
 * a family's final-logit soft-cap (Gemma 2: ``logits = c * tanh(logits / c)``) is applied
   inside the fused loss, and to returned logits;
 * a mixture-of-experts family adds ``router_aux_loss_coef * aux`` where ``aux`` is the
@@ -29,7 +34,8 @@ family's other norm consumers (:func:`~liger_kernel.transformers.recompute.hook_
 
 Logits are returned when asked (``skip_logits=False``) and by default whenever the model is
 not training or has no labels - evaluation, ``generate()``. The loss then comes from the
-model's own ``self.loss_function`` on those logits, exactly as the unpatched forward does.
+model's own ``self.loss_function`` on those logits, exactly as the unpatched forward does
+(except that a mean over all-ignored targets is 0, not NaN, as above).
 
 The family details (soft-cap attribute, router loss function) come from
 :mod:`liger_kernel.transformers.families`; this module imports ``transformers`` only lazily.
@@ -46,7 +52,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from liger_kernel.transformers.distributed import call_with_full_parameters, unwrapped_class
+from liger_kernel.transformers.distributed import (
+    call_with_full_parameters,
+    forward_is_wrapped,
+    unwrapped_class,
+)
 from liger_kernel.transformers.families import ModelFamily, family_of
 from liger_kernel.transformers.recompute import hook_norm_consumers, recompute_norm_outputs
 
@@ -125,12 +135,55 @@ def _output_cache_field(output_class: type) -> str:
     return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
 
 
+def _hf_slice_logits_to_keep():
+    # transformers 5.25 slices through ``modeling_utils.slice_logits_to_keep`` (which also
+    # takes 2-D tensors); 5.17 has no such function and indexes ``hidden_states`` inline.
+    # (Not functools.cache'd: the import is a dict lookup, and Dynamo warns on cache wrappers.)
+    from transformers import modeling_utils
+
+    return getattr(modeling_utils, "slice_logits_to_keep", None)
+
+
 def _positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """(B, T, H) -> the positions whose logits are wanted, as HF slices them."""
+    """(B, T, H) -> the hidden states whose logits are wanted, exactly as the installed HF
+    ``*ForCausalLM.forward`` selects them.
+
+    Every version takes an int ``k`` (the last ``k`` positions, 0 = all) and a 1-D tensor of
+    positions, giving (B, kept, H). Where HF has ``slice_logits_to_keep`` it is used as is,
+    which adds a 2-D integer tensor (B, kept) of positions per row, giving (B, kept, H), and
+    a 2-D boolean mask (B, T), giving the (num_true, H) selected rows. Older HF documents
+    only the int and 1-D forms (its inline ``hidden_states[:, t, :]`` turns a 2-D tensor into
+    a cross-batch gather or an ``IndexError``), so a 2-D tensor raises ``ValueError`` there.
+    """
+    hf_slice = _hf_slice_logits_to_keep()
+    if hf_slice is not None:
+        return hf_slice(hidden_states, logits_to_keep)
     if isinstance(logits_to_keep, int):
         # 0 keeps everything: slice(-0, None) == slice(0, None).
         return hidden_states[:, -logits_to_keep:, :]
+    if logits_to_keep.dim() > 1:
+        import transformers
+
+        raise ValueError(
+            f"logits_to_keep of shape {tuple(logits_to_keep.shape)}: transformers {transformers.__version__} "
+            "takes an int or a 1-D tensor of positions (2-D tensors need a version with "
+            "transformers.modeling_utils.slice_logits_to_keep)"
+        )
     return hidden_states[:, logits_to_keep, :]
+
+
+def _zero_if_nothing_counted(
+    loss: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int
+) -> torch.Tensor:
+    """``loss``, or 0 when no target is counted: the library's convention for a mean over
+    all-ignored targets (the fused path's value), where HF's loss divides 0 by 0 (NaN).
+
+    ``torch.where`` keeps the graph (the gradient is zero, no NaN: every row is ignored) and
+    needs no device sync, so it also traces under ``torch.compile``.
+    """
+    targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
+    counted = (targets != ignore_index).any().to(loss.device)
+    return torch.where(counted, loss, torch.zeros_like(loss))
 
 
 def _router_aux_loss_fn(family: ModelFamily | None):
@@ -232,20 +285,28 @@ def liger_causal_lm_forward(
     lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
-    # exact unfused path instead.
+    # exact unfused path instead, and so does a head whose forward accelerate wrapped (an
+    # offloaded weight is a meta tensor until the hook's pre-forward loads it).
     # (fully_shard turns an nn.Linear into an FSDPLinear subclass: still fusable.)
-    fusable = unwrapped_class(lm_head) is torch.nn.Linear
-    if skip_logits and not fusable:
+    is_linear = unwrapped_class(lm_head) is torch.nn.Linear
+    fusable = is_linear and not forward_is_wrapped(lm_head)
+    if skip_logits and not is_linear:
         _warn_once(f"lm_head is a {type(lm_head).__name__}, not an nn.Linear: computing the loss from logits.")
+    elif skip_logits and not fusable:
+        _warn_once("lm_head's forward is wrapped (an accelerate hook or an instance-level forward): "
+                   "computing the loss from logits.")
     loss = None
     logits = None
     if skip_logits and fusable:
         if shift_labels is None:
             shift_labels = shift_causal_labels(labels, ignore_index)
-        if shift_labels.shape[:2] != hidden_states.shape[:2]:
+        kept = hidden_states.shape[:-1]
+        # (batch, positions) targets for (batch, positions) kept; a boolean logits_to_keep
+        # mask keeps (num_true,) rows, matched like HF's loss does: by the flattened count.
+        if shift_labels.shape != kept and not (len(kept) == 1 and shift_labels.numel() == kept[0]):
             raise ValueError(
                 f"labels/shift_labels of shape {tuple(shift_labels.shape)} do not match the "
-                f"{tuple(hidden_states.shape[:2])} (batch, positions) kept by logits_to_keep={logits_to_keep!r}"
+                f"{tuple(kept)} positions kept by logits_to_keep={logits_to_keep!r}"
             )
         # Under FSDP2 (lm_head sharded on its own) or DeepSpeed ZeRO-3 the weight is only
         # materialised inside lm_head's own call: run the fused loss as that call.
@@ -269,6 +330,8 @@ def liger_causal_lm_forward(
             if shift_labels is not None:
                 loss_kwargs["shift_labels"] = shift_labels
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+            if num_items_in_batch is None:
+                loss = _zero_if_nothing_counted(loss, labels, shift_labels, ignore_index)
         if skip_logits:
             logits = None
 

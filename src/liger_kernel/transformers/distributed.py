@@ -29,6 +29,12 @@ is sharded the function is called directly (no hooks, no overhead, and nothing f
 Tensor parallelism (a weight that is still a ``DTensor`` inside its module's forward) is
 not supported by the fused loss and raises a ``NotImplementedError``.
 
+``accelerate`` (``device_map`` dispatch, ``cpu_offload``, disk offload) works differently: it
+replaces the module's ``forward`` on the instance by a wrapper whose pre-forward moves the
+weights from the offload store (they sit on the ``meta`` device in between) to the execution
+device. :func:`forward_is_wrapped` detects such a module; callers that would read its
+parameters directly call the module instead.
+
 :func:`unwrapped_class` gives the class a module had before ``fully_shard`` replaced it by
 its ``FSDP<Class>`` subclass, for checks such as "``lm_head`` is a plain ``nn.Linear``".
 
@@ -83,6 +89,14 @@ def unwrapped_class(module: nn.Module) -> type:
         if len(originals) == 1:
             return originals[0]
     return cls
+
+
+def forward_is_wrapped(module: nn.Module) -> bool:
+    """True when calling ``module`` runs more than its class's ``forward``: an accelerate hook
+    (``_hf_hook``; its pre-forward materialises offloaded weights, which are ``meta`` tensors
+    until then) or any other ``forward`` stored on the instance. Reading such a module's
+    parameters outside its call bypasses that code, so it must be called instead."""
+    return getattr(module, "_hf_hook", None) is not None or "forward" in vars(module)
 
 
 def parameters_are_sharded(module: nn.Module) -> bool:

@@ -17,13 +17,21 @@ Two modes:
 * ``model=<instance>`` patches that instance in place and leaves every other instance alone:
   every norm and MLP of the model is switched to a cached subclass of its own class that
   defines the Liger ``forward`` (same class name, so HF's name-based checks still hold; it
-  survives ``copy.deepcopy`` and works with gradient checkpointing and ``generate()``, and,
-  unlike a method stored in the instance ``__dict__``, makes no reference cycle that would
-  keep a deleted model's memory alive), the model gets the fused-loss forward. Rotary embeddings
+  survives ``copy.deepcopy``, pickle and ``torch.save``/``torch.load`` and works with
+  gradient checkpointing and ``generate()``, and, unlike a method stored in the instance
+  ``__dict__``, makes no reference cycle that would keep a deleted model's memory alive), the
+  model gets the fused-loss forward - also a user subclass of the family's ``*ForCausalLM``
+  (found through the MRO), unless that subclass defines its own ``forward``. Rotary embeddings
   are applied by a module-level function the attention forward looks up in its globals, so
   for an instance each attention module gets a copy of its own ``forward`` whose globals map
   the rotary name to the Liger kernel (decorators such as ``deprecate_kwarg`` are rebuilt
   around the copy) - the class, the module and other instances are untouched.
+
+Pickling: the Liger classes the class-level patch builds (``LigerLlamaRMSNorm``, ...) are
+resolved by this module's ``__getattr__``, and the instance-level subclasses reduce to their
+base class plus the patched methods, so a patched model saved whole loads, still patched, in a
+process that has not patched anything (a class-level ``forward`` or rotary patch is a property
+of the process, not of the model: patch the loading process the same way for those).
 
 Trainer integration: transformers calls ``_apply_liger_kernel_to_instance(model=..., **config)``.
 """
@@ -251,11 +259,96 @@ def _liger_mlp_class(model_type: str, hf_class: type) -> type:
     return type(name, (_liger_mlp_base(family),), namespace)
 
 
+def _liger_class_builders() -> dict[str, Callable[[], type]]:
+    builders: dict[str, Callable[[], type]] = {}
+
+    def add(name: str, build: Callable[[], type]) -> None:
+        if name in builders:
+            raise ValueError(f"two families' Liger classes would both be named {name!r}")
+        builders[name] = build
+
+    for model_type, family in FAMILIES.items():
+        add(f"Liger{family.norm.class_name}", functools.partial(_liger_norm_class, model_type))
+        if family.mlp.kind != "experts":
+            add(f"Liger{family.mlp.class_name}", functools.partial(_build_liger_mlp_class, model_type))
+    return builders
+
+
+def _build_liger_mlp_class(model_type: str) -> type:
+    family = FAMILIES[model_type]
+    return _liger_mlp_class(model_type, _original(model_type, _modeling(family), family.mlp.class_name))
+
+
+# Qualified name -> builder of each class above. Pickle (and torch.save) stores a class as
+# module + qualified name and loads it with getattr on the module; these classes exist only
+# once a patch built them, so the module's __getattr__ builds them on demand - the same
+# (cached) class in this process, a fresh one in a process that has patched nothing yet.
+_LIGER_CLASS_BUILDERS = _liger_class_builders()
+
+
+def __getattr__(name: str) -> type:
+    build = _LIGER_CLASS_BUILDERS.get(name)
+    if build is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return build()
+
+
 # ----------------------------------------------------------------------------------------
 # Instance patching.
 # ----------------------------------------------------------------------------------------
 # (original class, sorted method overrides) -> the subclass instances are switched to.
 _INSTANCE_CLASSES: dict[tuple[type, tuple[tuple[str, Callable], ...]], type] = {}
+
+
+def _instance_class(base: type, overrides: dict[str, Callable]) -> type:
+    """The cached subclass of ``base`` that defines the methods ``overrides`` (see :func:`_bind`)."""
+    key = (base, tuple(sorted(overrides.items(), key=lambda item: item[0])))
+    patched = _INSTANCE_CLASSES.get(key)
+    if patched is None:
+        namespace = {**overrides, "_liger_overrides": dict(overrides), "__reduce_ex__": _reduce_instance_patched,
+                     "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+        patched = type(base.__name__, (base,), namespace)
+        _INSTANCE_CLASSES[key] = patched
+    return patched
+
+
+def _reduce_instance_patched(self: nn.Module, protocol: int) -> Any:
+    """``__reduce_ex__`` of the classes :func:`_instance_class` makes (pickle, ``torch.save``,
+    ``copy.deepcopy``).
+
+    Pickle stores a class as its module and qualified name, which for these classes name the
+    base class (HF needs the names): the instance's own reduction would fail with "not the
+    same object". The reduction is therefore rewritten to name the base class and the
+    overrides - each a function pickle finds by name, or for a RoPE-patched forward the
+    original function and the globals it sees (:func:`with_global_overrides`) - and loading
+    it rebuilds the subclass (the cached one when it exists, so ``deepcopy`` keeps the class).
+    """
+    owner = next(cls for cls in type(self).__mro__ if "_liger_overrides" in vars(cls))
+    reduced = super(owner, self).__reduce_ex__(protocol)
+    # copyreg.__newobj__(cls, *args) (protocol >= 2) or copyreg._reconstructor(cls, ...); a
+    # reduction that does not start with this class (a base's own __reduce__, or a further
+    # subclass such as FSDP2's) is left alone.
+    if not isinstance(reduced, tuple) or len(reduced) < 2 or not reduced[1] or reduced[1][0] is not owner:
+        return reduced
+    factory, args, *rest = reduced
+    recipe = tuple((name, *_function_recipe(fn)) for name, fn in sorted(owner._liger_overrides.items()))
+    return (_rebuild_instance_patched, (owner.__bases__[0], recipe, factory, args[1:]), *rest)
+
+
+def _function_recipe(fn: Callable) -> tuple[Callable, tuple[tuple[str, Any], ...] | None]:
+    """``(function pickle finds by name, its global overrides or None)`` rebuilding ``fn``."""
+    source = _REBOUND_SOURCES.get(fn)
+    return source if source is not None else (fn, None)
+
+
+def _rebuild_instance_patched(
+    base: type, recipe: tuple[tuple[str, Callable, tuple[tuple[str, Any], ...] | None], ...],
+    factory: Callable[..., Any], args: tuple[Any, ...],
+) -> nn.Module:
+    """Inverse of :func:`_reduce_instance_patched`: ``factory(<patched subclass of base>, *args)``."""
+    overrides = {name: fn if global_overrides is None else with_global_overrides(fn, dict(global_overrides))
+                 for name, fn, global_overrides in recipe}
+    return factory(_instance_class(base, overrides), *args)
 
 
 def _bind(module: nn.Module, name: str, fn: Callable) -> None:
@@ -264,23 +357,16 @@ def _bind(module: nn.Module, name: str, fn: Callable) -> None:
     The instance's class is switched to a cached subclass that defines the method and keeps
     the original's ``__name__``/``__qualname__``/``__module__`` (HF matches classes by name:
     ``_init_weights``, ``config.architectures``), so ``isinstance`` holds, other instances
-    and the original class are untouched, and ``copy.deepcopy`` keeps the patch. A bound
-    method stored in the instance ``__dict__`` would instead form a reference cycle (module ->
-    method -> module): a patched model would then outlive ``del model`` until the garbage
-    collector's next full pass, holding its GPU memory.
+    and the original class are untouched, and ``copy.deepcopy``, pickle and ``torch.save``
+    keep the patch (:func:`_reduce_instance_patched`). A bound method stored in the instance
+    ``__dict__`` would instead form a reference cycle (module -> method -> module): a patched
+    model would then outlive ``del model`` until the garbage collector's next full pass,
+    holding its GPU memory.
     """
     cls = type(module)
     own = cls.__dict__.get("_liger_overrides")
     base = cls.__bases__[0] if own is not None else cls
-    overrides = {**(own or {}), name: fn}
-    key = (base, tuple(sorted(overrides.items(), key=lambda item: item[0])))
-    patched = _INSTANCE_CLASSES.get(key)
-    if patched is None:
-        namespace = {**overrides, "_liger_overrides": overrides, "__module__": base.__module__,
-                     "__qualname__": base.__qualname__, "__doc__": base.__doc__}
-        patched = type(base.__name__, (base,), namespace)
-        _INSTANCE_CLASSES[key] = patched
-    module.__class__ = patched
+    module.__class__ = _instance_class(base, {**(own or {}), name: fn})
     if name in vars(module):
         if name == "forward" and "_old_forward" in vars(module) and getattr(module, "_hf_hook", None) is not None:
             # An accelerate hook (device_map dispatch, offload) calls module._old_forward
@@ -382,6 +468,8 @@ def _innermost(fn: Callable) -> Callable:
 
 
 _REBOUND: dict[tuple[Callable, tuple[tuple[str, Any], ...]], Callable] = {}
+# The inverse, for pickling: rebound function -> (the function it copies, its overrides).
+_REBOUND_SOURCES: dict[Callable, tuple[Callable, tuple[tuple[str, Any], ...]]] = {}
 
 
 def with_global_overrides(fn: Callable, overrides: dict[str, Any]) -> Callable:
@@ -419,6 +507,7 @@ def with_global_overrides(fn: Callable, overrides: dict[str, Any]) -> Callable:
     else:
         del new_fn.__wrapped__
     _REBOUND[key] = new_fn
+    _REBOUND_SOURCES[new_fn] = (fn, key[1])
     return new_fn
 
 
@@ -448,6 +537,22 @@ def _patch_rope_instances(model: nn.Module, family: ModelFamily) -> int:
     return patched
 
 
+def _causal_lm_in_mro(model: nn.Module, family: ModelFamily) -> tuple[type | None, type | None]:
+    """``(the family's *ForCausalLM class, a subclass below it that defines forward)`` in
+    ``type(model)``'s MRO, each None when absent.
+
+    Matched by name, like every HF class here, and through the MRO so that a user subclass
+    (``class MyLlama(LlamaForCausalLM): ...``) is patched too. A subclass with its own
+    ``forward`` keeps it: binding the fused-loss forward would silently drop that code.
+    """
+    mro = type(model).__mro__
+    for index, cls in enumerate(mro):
+        if cls.__name__ == family.causal_lm_class and "_liger_overrides" not in vars(cls):
+            below = [c for c in mro[:index] if "forward" in vars(c) and "_liger_overrides" not in vars(c)]
+            return cls, (below[0] if below else None)
+    return None, None
+
+
 def _patch_instance(
     family: ModelFamily, model: nn.Module, rope: bool, cross_entropy: bool, fused_linear_cross_entropy: bool,
     rms_norm: bool, gated_mlp: bool, recompute_norm_outputs: bool = True,
@@ -466,8 +571,12 @@ def _patch_instance(
         counts[family.mlp.option] = _patch_mlps(model, family)
     if rope:
         counts["rope"] = _patch_rope_instances(model, family)
-    is_causal_lm = type(model).__name__ == family.causal_lm_class
-    if fused_linear_cross_entropy and is_causal_lm:
+    causal_lm, overriding = _causal_lm_in_mro(model, family)
+    is_causal_lm = causal_lm is not None
+    if fused_linear_cross_entropy and is_causal_lm and overriding is not None:
+        logger.warning("%s defines its own forward, which the Liger fused-loss forward would replace; "
+                       "keeping it (the loss is not fused).", overriding.__qualname__)
+    elif fused_linear_cross_entropy and is_causal_lm:
         _bind(model, "forward", liger_causal_lm_forward)
         model._liger_recompute_norm_outputs = bool(recompute_norm_outputs)
         counts["fused_linear_cross_entropy"] = 1

@@ -38,9 +38,12 @@ checkpointing already recomputes everything there), or for DeepSpeed ZeRO-3 para
 (gathered per module only when the backward reaches the norm, after the recompute). FSDP2
 unshards a whole decoder layer before any of its backward, so it is safe there. If the
 norm's input was modified in place after the forward, the recompute raises, as autograd
-would for a saved tensor. Under double backward (``create_graph=True``) the recompute runs
-through the autograd Function, so higher-order gradients still flow to the norm's input and
-weight.
+would for a saved tensor. Under ``create_graph=True`` the recompute runs through the
+autograd Function, so the recomputed output keeps its graph: second-order terms that reach
+the norm only through its output (e.g. of a projection's weight gradient) still flow to the
+norm's input and weight. Differentiating the norm's own backward (its input and weight
+gradients) a second time raises, with or without the recompute: that backward is
+``once_differentiable``.
 """
 
 from __future__ import annotations

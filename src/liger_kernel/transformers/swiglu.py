@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from liger_kernel.ops.swiglu import SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
+from liger_kernel.transformers.distributed import forward_is_wrapped
 from liger_kernel.transformers.families import SILU_ACTIVATIONS
 from liger_kernel.transformers.recompute import has_only_recompute_hooks
 
@@ -35,9 +36,10 @@ def _fusable_linear(module: nn.Module) -> bool:
     """Whether ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)``: a plain
     ``nn.Linear`` with ordinary tensor parameters and no hooks but the norm-output recompute's
     (which only act on a norm output, never this activation). Anything else (a LoRA or
-    quantised layer, a DTensor weight, a hook that gathers or rewrites the weight) keeps its
-    own forward."""
-    if type(module) is not nn.Linear or not has_only_recompute_hooks(module):
+    quantised layer, a DTensor weight, a hook that gathers or rewrites the weight, an
+    accelerate hook whose pre-forward loads offloaded weights that are ``meta`` until then)
+    keeps its own forward."""
+    if type(module) is not nn.Linear or not has_only_recompute_hooks(module) or forward_is_wrapped(module):
         return False
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return False
