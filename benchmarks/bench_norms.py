@@ -41,14 +41,18 @@ def hf_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
 def _liger_rms_norm():
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-    # in_place=True (the default): the backward writes dX over dY's storage.
+    # in_place=True (the default). In a model the backward writes dX over dY, which autograd
+    # owns; here dY is the harness's own tensor, which must survive, so dX is a new buffer
+    # (since 2026-12-06; the committed CSVs before that measured the write over dY).
     return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", True)
 
 
 def _liger_layer_norm():
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
-    # in_place=True (the default): the backward writes dX over dY's storage.
+    # in_place=True (the default). In a model the backward writes dX over dY, which autograd
+    # owns; here dY is the harness's own tensor, which must survive, so dX is a new buffer
+    # (since 2026-12-06; the committed CSVs before that measured the write over dY).
     return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS, True)
 
 
