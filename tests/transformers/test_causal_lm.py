@@ -243,8 +243,8 @@ def test_all_ignored_labels_give_zero_loss_and_zero_grads(path):
 @pytest.mark.parametrize("order", ["patch_then_offload", "offload_then_patch"])
 def test_accelerate_cpu_offload_matches_unpatched(order):
     # accelerate's offload keeps the weights on the meta device until each module's hook
-    # loads them: the fused lm-head loss and the fused down projection read weights directly
-    # and must call such modules instead.
+    # loads them: the fused lm-head loss runs inside lm_head's hook, and the fused down
+    # projection calls such a module instead of reading its weight.
     accelerate = pytest.importorskip("accelerate")
 
     reference = build_model("llama", seed=7)
@@ -265,6 +265,35 @@ def test_accelerate_cpu_offload_matches_unpatched(order):
         torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
         if not train:
             torch.testing.assert_close(out.logits, ref_out.logits, **TOL)
+
+
+def test_accelerate_dispatch_without_offload_keeps_the_fused_loss(monkeypatch):
+    # device_map dispatch (several GPUs, or force_hooks) puts a hook on lm_head with its
+    # weights in place: the loss stays fused (run inside the hook), no (B, T, V) logits.
+    accelerate = pytest.importorskip("accelerate")
+    import liger_kernel.transformers.fused_linear_cross_entropy as flce
+
+    fused_calls = []
+    original = flce.liger_fused_linear_cross_entropy
+    monkeypatch.setattr(flce, "liger_fused_linear_cross_entropy",
+                        lambda *args, **kwargs: fused_calls.append(1) or original(*args, **kwargs))
+    reference = build_model("llama", seed=7)
+    patched = copy.deepcopy(reference)
+    _apply_liger_kernel_to_instance(patched)
+    accelerate.dispatch_model(patched, device_map={"": DEVICE}, force_hooks=True)
+    assert getattr(patched.lm_head, "_hf_hook", None) is not None
+    head_outputs = []
+    patched.lm_head.register_forward_hook(lambda module, args, output: head_outputs.append(output.shape))
+    batch = random_batch(VOCAB, seed=17)
+    reference.train()
+    patched.train()
+    ref_out, out = reference(**batch), patched(**batch)
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    assert fused_calls and all(shape[-1:] != (VOCAB,) for shape in head_outputs)
+    ref_out.loss.backward()
+    out.loss.backward()
+    for (name, ref_param), param in zip(reference.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(param.grad, ref_param.grad, **TOL, msg=name)
 
 
 def test_return_dict_false_gives_hf_tuples():

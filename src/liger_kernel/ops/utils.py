@@ -541,7 +541,9 @@ def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torc
     Memory: where the write is refused the backward allocates dx, one more (N, H) buffer
     while it runs. In a model the norm's gradient comes from the projections it feeds, a
     fresh tensor that autograd owns, so training keeps the saving; a gradient passed in by
-    the caller (or held by a hook) costs the buffer instead of being overwritten.
+    the caller (or held by a hook as that same tensor) costs the buffer instead of being
+    overwritten. A detached alias kept by a hook is not detected: see
+    :func:`_grad_owned_by_autograd`.
     """
     return (in_place and not torch.compiler.is_compiling() and grad_output.dtype == x.dtype
             and grad_output.is_contiguous() and 0 not in grad_output.stride() and not grad_output.requires_grad
@@ -568,9 +570,17 @@ def _grad_owned_by_autograd(grad: torch.Tensor) -> bool:
     those of a gradient autograd made, measured through the same call chain (an autograd
     Function whose decorated backward calls backward_writes_into_grad as the norms' do).
     Without CPython reference counts (another interpreter, a free-threaded build) nothing
-    counts as owned. References held in C++ only are not seen: a gradient autograd hands to
-    two branches of the graph (the norm's output added to a residual stream that requires
-    grad) counts as owned; that case stays the caller's to avoid with ``in_place=False``.
+    counts as owned.
+
+    Not seen: another tensor sharing the storage without referencing this one - a hook that
+    keeps ``grad.detach()`` or ``grad.data`` of a norm output's gradient (activation-gradient
+    caches), or a module backward hook that keeps ``grad_input[0].detach()`` of the norm's
+    consumer - finds dx there afterwards; such code must use ``in_place=False``. (Counting
+    the storage's users would catch it; it is not done yet because it could not be checked on
+    a GPU.) A gradient autograd hands to two branches of the graph (the norm's output added
+    to a residual stream) was seen on torch 2.13 (CPU), whose engine keeps the Python object
+    referenced meanwhile; older torch versions were not checked, so that case stays the
+    caller's to avoid with ``in_place=False`` as the norms' docstrings say.
     """
     base = grad._base
     counts = (sys.getrefcount(grad), 0 if base is None else sys.getrefcount(base))

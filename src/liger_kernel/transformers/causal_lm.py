@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_kernel.transformers.distributed import (
+    accelerate_hooked,
     call_with_full_parameters,
     forward_is_wrapped,
     unwrapped_class,
@@ -285,15 +286,17 @@ def liger_causal_lm_forward(
     lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
-    # exact unfused path instead, and so does a head whose forward accelerate wrapped (an
-    # offloaded weight is a meta tensor until the hook's pre-forward loads it).
-    # (fully_shard turns an nn.Linear into an FSDPLinear subclass: still fusable.)
+    # exact unfused path instead, and so does a head whose forward something other than
+    # accelerate replaced on the instance. An accelerate hook (device_map dispatch, offload)
+    # is kept: call_with_full_parameters runs the loss inside it, after its pre-forward has
+    # moved the inputs and loaded the weights. (fully_shard turns an nn.Linear into an
+    # FSDPLinear subclass: still fusable.)
     is_linear = unwrapped_class(lm_head) is torch.nn.Linear
-    fusable = is_linear and not forward_is_wrapped(lm_head)
+    fusable = is_linear and (accelerate_hooked(lm_head) or not forward_is_wrapped(lm_head))
     if skip_logits and not is_linear:
         _warn_once(f"lm_head is a {type(lm_head).__name__}, not an nn.Linear: computing the loss from logits.")
     elif skip_logits and not fusable:
-        _warn_once("lm_head's forward is wrapped (an accelerate hook or an instance-level forward): "
+        _warn_once("lm_head's forward is replaced on the instance (not by an accelerate hook): "
                    "computing the loss from logits.")
     loss = None
     logits = None
@@ -308,8 +311,8 @@ def liger_causal_lm_forward(
                 f"labels/shift_labels of shape {tuple(shift_labels.shape)} do not match the "
                 f"{tuple(kept)} positions kept by logits_to_keep={logits_to_keep!r}"
             )
-        # Under FSDP2 (lm_head sharded on its own) or DeepSpeed ZeRO-3 the weight is only
-        # materialised inside lm_head's own call: run the fused loss as that call.
+        # Under FSDP2 (lm_head sharded on its own), DeepSpeed ZeRO-3 or accelerate offload the
+        # weight is only materialised inside lm_head's own call: run the fused loss as that call.
         loss = call_with_full_parameters(
             lm_head,
             _fused_lm_head_loss,

@@ -30,10 +30,13 @@ Tensor parallelism (a weight that is still a ``DTensor`` inside its module's for
 not supported by the fused loss and raises a ``NotImplementedError``.
 
 ``accelerate`` (``device_map`` dispatch, ``cpu_offload``, disk offload) works differently: it
-replaces the module's ``forward`` on the instance by a wrapper whose pre-forward moves the
-weights from the offload store (they sit on the ``meta`` device in between) to the execution
-device. :func:`forward_is_wrapped` detects such a module; callers that would read its
-parameters directly call the module instead.
+replaces the module's ``forward`` on the instance by a wrapper that runs the hook's
+pre-forward (move the inputs to the execution device; with offload, load the weights, which
+sit on the ``meta`` device in between), then ``module._old_forward``, then the post-forward.
+:func:`call_with_full_parameters` runs ``fn`` as that ``_old_forward`` for one call, so the
+hook does for the loss what it does for ``module(hidden_states)``; :func:`forward_is_wrapped`
+tells callers that read a module's parameters directly when to call the module instead, and
+:func:`accelerate_hooked` which of those wrappers is accelerate's.
 
 :func:`unwrapped_class` gives the class a module had before ``fully_shard`` replaced it by
 its ``FSDP<Class>`` subclass, for checks such as "``lm_head`` is a plain ``nn.Linear``".
@@ -99,6 +102,17 @@ def forward_is_wrapped(module: nn.Module) -> bool:
     return getattr(module, "_hf_hook", None) is not None or "forward" in vars(module)
 
 
+def accelerate_hooked(module: nn.Module) -> bool:
+    """True when ``module``'s forward is accelerate's hook wrapper (``add_hook_to_module``),
+    which calls ``module._old_forward`` between the hook's pre- and post-forward."""
+    return getattr(module, "_hf_hook", None) is not None and "_old_forward" in vars(module)
+
+
+def parameters_on_meta(module: nn.Module) -> bool:
+    """True when one of ``module``'s own parameters has no data here (accelerate offload)."""
+    return any(p.is_meta for p in module.parameters(recurse=False))
+
+
 def parameters_are_sharded(module: nn.Module) -> bool:
     """True when one of ``module``'s own parameters is not materialised right now.
 
@@ -117,9 +131,20 @@ def call_with_full_parameters(module: nn.Module, fn: Callable[..., T], *args: An
     closing over them, so the wrapper's hooks see them (FSDP2 registers the gradient
     reduce-scatter on the inputs and casts them under a mixed-precision policy).
 
+    With an accelerate hook on ``module``, ``fn`` runs as the module's ``_old_forward`` for
+    this one call, inside the hook: its pre-forward moves the inputs to the execution device
+    and loads offloaded weights, its post-forward moves the result back and offloads them.
+
     Raises ``NotImplementedError`` when a parameter is still a ``DTensor`` inside the
     module's forward (tensor parallelism).
     """
+    if accelerate_hooked(module):
+        original = module.__dict__["_old_forward"]
+        module._old_forward = lambda *call_args, **call_kwargs: fn(module, *call_args, **call_kwargs)
+        try:
+            return module(*args, **kwargs)
+        finally:
+            module._old_forward = original
     if not parameters_are_sharded(module):
         return fn(module, *args, **kwargs)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from liger_kernel.ops.swiglu import SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
-from liger_kernel.transformers.distributed import forward_is_wrapped
+from liger_kernel.transformers.distributed import accelerate_hooked, forward_is_wrapped, parameters_on_meta
 from liger_kernel.transformers.families import SILU_ACTIVATIONS
 from liger_kernel.transformers.recompute import has_only_recompute_hooks
 
@@ -36,10 +36,14 @@ def _fusable_linear(module: nn.Module) -> bool:
     """Whether ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)``: a plain
     ``nn.Linear`` with ordinary tensor parameters and no hooks but the norm-output recompute's
     (which only act on a norm output, never this activation). Anything else (a LoRA or
-    quantised layer, a DTensor weight, a hook that gathers or rewrites the weight, an
-    accelerate hook whose pre-forward loads offloaded weights that are ``meta`` until then)
-    keeps its own forward."""
-    if type(module) is not nn.Linear or not has_only_recompute_hooks(module) or forward_is_wrapped(module):
+    quantised layer, a DTensor weight, a hook that gathers or rewrites the weight, another
+    forward stored on the instance) keeps its own forward. An accelerate hook whose weights
+    are in place (device_map dispatch without offload) only moves the input to the weights'
+    device, which the caller checks (:func:`gated_down_projection`); with offload the weights
+    are ``meta`` until the hook's pre-forward loads them, so the module is called."""
+    if type(module) is not nn.Linear or not has_only_recompute_hooks(module):
+        return False
+    if forward_is_wrapped(module) and not (accelerate_hooked(module) and not parameters_on_meta(module)):
         return False
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return False
@@ -56,7 +60,7 @@ def gated_down_projection(down_proj: nn.Module, a: torch.Tensor, b: torch.Tensor
     ``act(a) * b`` for the backward (one (tokens, intermediate) tensor less per layer, the
     same results); otherwise the gating kernel and ``down_proj``'s own forward.
     """
-    if _fusable_linear(down_proj):
+    if _fusable_linear(down_proj) and down_proj.weight.device == a.device:
         return LigerGatedDownProjFunction.apply(a, b, down_proj.weight, down_proj.bias, activation, in_place)
     if activation == SILU:
         return down_proj(LigerSiLUMulFunction.apply(a, b, in_place))
