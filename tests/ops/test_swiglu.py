@@ -186,19 +186,23 @@ def halves_of_a_user_tensor(rows, inter, how, requires_grad=True):
     return x, a, b
 
 
-@pytest.mark.parametrize("how", ["slices", "unbind_of_view"])
-def test_in_place_never_writes_into_views_of_a_leaf(how):
-    """a and b viewing a user's tensor x pass the leaf test themselves; x must keep its
-    values (da/db go to fresh buffers) and get the right gradient."""
-    x, a, b = halves_of_a_user_tensor(4, 33, how)
+def check_in_place_leaves_user_tensor(function, exact, rows, inter, how):
+    """a and b viewing a user's tensor x pass the leaf test themselves; with ``in_place=True``
+    x must keep its values (da/db go to fresh buffers) and get the right gradient."""
+    x, a, b = halves_of_a_user_tensor(rows, inter, how)
     assert not a.is_leaf and not b.is_leaf
     kept = x.detach().clone()
-    dh = torch.randn(4, 33, device=DEVICE)
-    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
+    dh = torch.randn(rows, inter, device=DEVICE)
+    function.apply(a, b, True).backward(dh)
     assert torch.equal(x.detach(), kept)
     ref = kept.double().requires_grad_(True)
-    exact_swiglu(ref[:, :33], ref[:, 33:]).backward(dh.double())
+    exact(ref[:, :inter], ref[:, inter:]).backward(dh.double())
     assert_close(x.grad, ref.grad)
+
+
+@pytest.mark.parametrize("how", ["slices", "unbind_of_view"])
+def test_in_place_never_writes_into_views_of_a_leaf(how):
+    check_in_place_leaves_user_tensor(LigerSiLUMulFunction, exact_swiglu, 4, 33, how)
 
 
 def test_in_place_backward_twice_fails_loudly():
