@@ -198,3 +198,57 @@ def test_norm_backward_leaves_the_callers_grad_alone(norm, how):
     assert torch.equal(g, kept)
     for leaf, want in zip(leaves, reference):
         assert torch.equal(leaf.grad, want.grad)
+
+
+@pytest.mark.parametrize("alias", ["detach", "data"])
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_backward_leaves_a_hook_kept_detached_alias_alone(norm, alias):
+    """A hook that keeps ``g.detach()`` / ``g.data`` of the norm output's gradient (an
+    activation-gradient cache) holds no Python reference to ``g`` itself, only a second tensor
+    on its storage: with ``in_place=True`` the cached values must still be dy, not dx."""
+    x, params = norm_inputs(norm, (2, 3, 123))
+    proj = torch.nn.Linear(123, 17).to(DEVICE)
+    results = {}
+    for in_place in (True, False):
+        kept = []
+        leaves = leaves_of(x, *params)
+        y = NORMS[norm](leaves[0], leaves[1:], in_place)
+        y.register_hook(lambda g, kept=kept: kept.append(g.detach() if alias == "detach" else g.data))
+        proj(y).sum().backward()
+        results[in_place] = [kept[0], *(leaf.grad for leaf in leaves)]
+    for with_write, without in zip(results[True], results[False]):
+        assert torch.equal(with_write, without)
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_backward_leaves_a_module_hook_kept_grad_input_alone(norm):
+    """A full backward hook on the norm's consumer that keeps a detached ``grad_input`` (the
+    norm output's gradient, as activation-statistics tools do) must keep dy."""
+    x, params = norm_inputs(norm, (2, 3, 123))
+    results = {}
+    for in_place in (True, False):
+        kept = []
+        proj = torch.nn.Linear(123, 17).to(DEVICE)
+        torch.nn.init.ones_(proj.weight)
+        proj.register_full_backward_hook(lambda m, gi, go, kept=kept: kept.append(gi[0].detach()))
+        leaves = leaves_of(x, *params)
+        proj(NORMS[norm](leaves[0], leaves[1:], in_place)).sum().backward()
+        results[in_place] = [kept[0], *(leaf.grad for leaf in leaves)]
+    for with_write, without in zip(results[True], results[False]):
+        assert torch.equal(with_write, without)
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_backward_with_its_output_added_to_a_residual_stream(norm):
+    """``norm(x) + r`` hands the one gradient tensor autograd made for the sum to both inputs:
+    r's gradient must not become the norm's dx."""
+    x, params = norm_inputs(norm, (2, 3, 123))
+    r = torch.randn(2, 3, 123, device=DEVICE)
+    proj = torch.nn.Linear(123, 17).to(DEVICE)
+    results = {}
+    for in_place in (True, False):
+        leaves = leaves_of(x, *params, r)
+        proj(NORMS[norm](leaves[0], leaves[1:-1], in_place) + leaves[-1]).sum().backward()
+        results[in_place] = [leaf.grad for leaf in leaves]
+    for with_write, without in zip(results[True], results[False]):
+        assert torch.equal(with_write, without)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from liger_kernel.transformers.rms_norm import LigerRMSNorm, liger_rms_norm
+from tests.transformers.model_configs import MODEL_TYPES, VOCAB, build_model, random_batch
 from tests.utils import DEVICE, assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -124,3 +125,32 @@ def test_torch_compile_fullgraph():
     assert_close(compiled, eager, scale=10, msg="loss")
     for name, a, e in zip(("dx", "dw"), compiled_grads, eager_grads):
         assert_close(a, e, scale=4, msg=name)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_patched_models_write_norm_gradients_in_place(model_type, monkeypatch):
+    """In a patched model each norm with ``in_place=True`` writes dx over dy - the memory the
+    option exists for. The norms' ownership check (``ops.utils.backward_writes_into_grad``)
+    must accept the gradients the model's own ops hand over (a projection's, the fused loss's),
+    or training silently allocates one (B, T, H) buffer more per norm. Observed in
+    ``rms_norm_backward``, which is told the decision: a hook on the gradient itself would add a
+    reference to it and so change the decision."""
+    import liger_kernel.ops.rms_norm as rms_norm_ops
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    model = build_model(model_type, seed=1)
+    _apply_liger_kernel_to_instance(model)
+    model.train()
+    in_place = [getattr(module, "in_place", True) for module in model.modules()
+                if getattr(module.forward, "__func__", None) is LigerRMSNorm.forward]
+    assert in_place
+    decided = []
+
+    def recording_backward(*args):
+        decided.append(args[-1])
+        return rms_norm_backward(*args)
+
+    rms_norm_backward = rms_norm_ops.rms_norm_backward
+    monkeypatch.setattr(rms_norm_ops, "rms_norm_backward", recording_backward)
+    model(**random_batch(VOCAB, seed=0)).loss.backward()
+    assert sorted(decided) == sorted(in_place)

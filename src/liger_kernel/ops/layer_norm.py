@@ -30,9 +30,9 @@ buffers in a fixed order and rounds them to the parameters' dtypes.
 storage when dy is contiguous with x's dtype, so the backward allocates no N x H buffer
 (only the small (P, H) partials). The caller must not need dy afterwards: when the norm's
 output goes straight into an op whose backward hands the same gradient tensor to another
-input too (e.g. ``LayerNorm(x) + r`` with ``r`` requiring grad), or a hook keeps a detached
-alias (``g.detach()``, ``g.data``) of that gradient, use ``in_place=False``. A gradient
-passed in by the caller (``y.backward(g)``) is never overwritten.
+input too (e.g. ``LayerNorm(x) + r`` with ``r`` requiring grad), use ``in_place=False``. A
+gradient passed in by the caller (``y.backward(g)``) or kept by a hook, also as a detached
+alias (``g.detach()``, ``g.data``), is never overwritten.
 
 The kernels are the row-normalisation kernels shared with RMSNorm
 (``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:

@@ -533,7 +533,8 @@ def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torc
       ``torch.autograd.grad(y, x, g)`` into the backward (also through ops that pass a
       gradient on unchanged, such as an addition, or as a view of it through view ops), and
       the caller may read ``g`` again. No API tells autograd's own buffers from others;
-      :func:`_grad_owned_by_autograd` tells them by their Python references.
+      :func:`_grad_owned_by_autograd` tells them by their Python references and by the
+      tensors sharing their storage.
 
     Never under torch.compile, where the backward must not mutate its input (it may be a
     view the traced graph created without grad; Inductor plans the buffers itself).
@@ -541,54 +542,64 @@ def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torc
     Memory: where the write is refused the backward allocates dx, one more (N, H) buffer
     while it runs. In a model the norm's gradient comes from the projections it feeds, a
     fresh tensor that autograd owns, so training keeps the saving; a gradient passed in by
-    the caller (or held by a hook as that same tensor) costs the buffer instead of being
-    overwritten. A detached alias kept by a hook is not detected: see
-    :func:`_grad_owned_by_autograd`.
+    the caller, or held by a hook (also as a detached alias), costs the buffer instead of
+    being overwritten.
     """
     return (in_place and not torch.compiler.is_compiling() and grad_output.dtype == x.dtype
             and grad_output.is_contiguous() and 0 not in grad_output.stride() and not grad_output.requires_grad
             and _grad_owned_by_autograd(grad_output))
 
 
-# Python references to a gradient that autograd made itself, as _grad_owned_by_autograd counts
-# them when a norm's backward asks backward_writes_into_grad: (the gradient's own count, the
-# count of the tensor it is a view of). None: unknown, so nothing is written in place.
-# Measured at import by _calibrate_owned_grad_references.
-_OWNED_GRAD_REFERENCES: tuple[int, int] | None = None
+# What _grad_owned_by_autograd counts for a gradient that autograd made itself, when a norm's
+# backward asks backward_writes_into_grad: Python references to the gradient, to the tensor it
+# is a view of (if any), and users of its storage, without and with such a base. None: unknown,
+# so nothing is written in place. Measured at import by _calibrate_owned_grad_references.
+_OWNED_GRAD_REFERENCES: tuple[int, int, int, int] | None = None
 # Set while calibrating: _grad_owned_by_autograd records its counts here instead of deciding.
-_CALIBRATION_COUNTS: list[tuple[int, int]] | None = None
+_CALIBRATION_COUNTS: list[tuple[int, int, int]] | None = None
+
+
+def _storage_users(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage handles) share ``tensor``'s storage, as c10 counts them."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 def _grad_owned_by_autograd(grad: torch.Tensor) -> bool:
-    """Whether no Python code holds ``grad``, or the tensor it is a view of, besides the
-    backward that received it: then autograd made it for that backward alone.
+    """Whether nothing but the backward that received ``grad`` can see its memory: then
+    autograd made it for that backward alone.
 
-    A gradient computed inside autograd's engine reaches a Python backward with only the
-    references of the call chain; one the caller passed to ``backward()``/``autograd.grad``,
-    or that a hook keeps, has the caller's too, and a view of it (through view ops of the
-    graph) has it as ``_base``. The counts are CPython's ``sys.getrefcount``, compared with
-    those of a gradient autograd made, measured through the same call chain (an autograd
-    Function whose decorated backward calls backward_writes_into_grad as the norms' do).
-    Without CPython reference counts (another interpreter, a free-threaded build) nothing
-    counts as owned.
+    Two counts, each compared with the same count for a gradient autograd made, measured at
+    import through the same call chain (an autograd Function whose decorated backward calls
+    backward_writes_into_grad as the norms' do):
 
-    Not seen: another tensor sharing the storage without referencing this one - a hook that
-    keeps ``grad.detach()`` or ``grad.data`` of a norm output's gradient (activation-gradient
-    caches), or a module backward hook that keeps ``grad_input[0].detach()`` of the norm's
-    consumer - finds dx there afterwards; such code must use ``in_place=False``. (Counting
-    the storage's users would catch it; it is not done yet because it could not be checked on
-    a GPU.) A gradient autograd hands to two branches of the graph (the norm's output added
-    to a residual stream) was seen on torch 2.13 (CPU), whose engine keeps the Python object
-    referenced meanwhile; older torch versions were not checked, so that case stays the
-    caller's to avoid with ``in_place=False`` as the norms' docstrings say.
+    * Python references (CPython's ``sys.getrefcount``) to ``grad`` and to the tensor it is a
+      view of. A gradient computed inside autograd's engine reaches a Python backward with only
+      the references of the call chain; one the caller passed to ``backward()`` or
+      ``autograd.grad``, or that a hook keeps, has the caller's too, and a view of it (through
+      view ops of the graph) has it as ``_base``.
+    * Users of its storage (c10's use count): every tensor sharing the memory holds one, so a
+      hook that keeps ``grad.detach()`` or ``grad.data`` (activation-gradient caches), or a
+      module backward hook that keeps a detached alias of the norm consumer's ``grad_input``,
+      shows as one user more - something Python references cannot see.
+
+    Without CPython reference counts (another interpreter, a free-threaded build) or without
+    torch's storage use count, nothing counts as owned. A gradient autograd hands to two
+    branches of the graph as one tensor (the norm's output added to a residual stream) was seen
+    on torch 2.13 (CPU), whose engine keeps the Python object referenced meanwhile; older torch
+    versions were not checked, so that case stays the caller's to avoid with
+    ``in_place=False`` as the norms' docstrings say.
     """
     base = grad._base
-    counts = (sys.getrefcount(grad), 0 if base is None else sys.getrefcount(base))
+    counts = (sys.getrefcount(grad), 0 if base is None else sys.getrefcount(base), _storage_users(grad))
     if _CALIBRATION_COUNTS is not None:
         _CALIBRATION_COUNTS.append(counts)
         return False
     limits = _OWNED_GRAD_REFERENCES
-    return limits is not None and counts[0] <= limits[0] and counts[1] <= limits[1]
+    if limits is None:
+        return False
+    max_refs, max_base_refs, max_users, max_users_of_a_view = limits
+    return (counts[0] <= max_refs and counts[1] <= max_base_refs
+            and counts[2] <= (max_users if base is None else max_users_of_a_view))
 
 
 class _GradOwnershipProbe(torch.autograd.Function):
@@ -609,7 +620,7 @@ class _GradOwnershipProbe(torch.autograd.Function):
         return grad_output * 2.0 if not write_into_grad else grad_output
 
 
-def _calibrate_owned_grad_references() -> tuple[int, int] | None:
+def _calibrate_owned_grad_references() -> tuple[int, int, int, int] | None:
     """Counts of :func:`_grad_owned_by_autograd` for gradients autograd made: one plain, one a
     view of another (None where they cannot be measured)."""
     global _CALIBRATION_COUNTS
@@ -621,14 +632,14 @@ def _calibrate_owned_grad_references() -> tuple[int, int] | None:
             x = torch.ones(2, 4, device="cpu", requires_grad=True)
             (_GradOwnershipProbe.apply(x) * 2.0).sum().backward()  # a fresh (2, 4) gradient
             (_GradOwnershipProbe.apply(x).view(-1) * 2.0).sum().backward()  # a (2, 4) view of a fresh (8,)
-        (plain, plain_base), (viewed, base) = _CALIBRATION_COUNTS
-    except Exception:  # any surprise here only means: never write in place
+        (plain, plain_base, plain_users), (viewed, base, viewed_users) = _CALIBRATION_COUNTS
+    except Exception:  # any surprise here (no storage use count in this torch) only means: never write in place
         return None
     finally:
         _CALIBRATION_COUNTS = None
-    if plain_base != 0 or base == 0:
+    if plain_base != 0 or base == 0 or viewed_users <= plain_users:
         return None  # the probes did not see the gradients they were built for
-    return min(plain, viewed), base
+    return min(plain, viewed), base, plain_users, viewed_users
 
 
 _OWNED_GRAD_REFERENCES = _calibrate_owned_grad_references()

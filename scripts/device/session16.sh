@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 16's one call: the whole GPU suite (full shapes; it now includes the model-level check
+# that every in_place norm writes dx over dy), the main job with its GPU defaults (its peak
+# memory shows whether the norms still write in place inside the Trainer), and the norm
+# benchmarks once more (their liger backward now allocates dx: the harness's dY must survive).
+# Every stage runs under a timeout so the call ends, and packs its output, inside ~560 s.
+set -u
+out=${1:?usage: session16.sh OUT_DIR}
+mkdir -p "$out/pack"
+GPU_CHECK_BENCH=0 GPU_CHECK_E2E=0 GPU_CHECK_BUDGET_S=${SUITE_BUDGET_S:-290} \
+  bash scripts/gpu_check.sh "$out/pack/r" > "$out/suite.txt" 2>&1
+tail -8 "$out/suite.txt"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+timeout -s INT -k 10 "${DEMO_SECONDS:-140}" python -u scripts/demo.py --out "$out/pack/demo" > "$out/demo.log" 2>&1
+echo "make-demo-equivalent exit $?" | tee -a "$out/exits.txt"
+grep -v "it/s\]\|s/it\]" "$out/demo.log" | tail -16
+timeout -s INT -k 10 "${BENCH_SECONDS:-90}" python -m benchmarks --quick --ops rms_norm,layer_norm --no-plots \
+  --max-seconds $(( ${BENCH_SECONDS:-90} - 25 )) --out "$out/pack/bench" > "$out/pack/bench.log" 2>&1
+echo "norm benchmarks exit $?" | tee -a "$out/exits.txt"
+grep -i "rms_norm\|layer_norm" "$out/pack/bench.log" | tail -12
+# Few files come back per call: pack them all.
+tar -C "$out" -czf "$out/all.tgz" pack && rm -rf "$out/pack"
