@@ -42,6 +42,7 @@ from tests.transformers.model_configs import (  # noqa: E402
     random_batch,
     tiny_config,
 )
+from tests.utils import DEVICE  # noqa: E402
 
 # fp32 forward/backward of a 2-layer model: a few ulps per kernel, accumulated over layers.
 FP32_TOL = {"atol": 2e-5, "rtol": 1e-4}
@@ -471,8 +472,10 @@ def test_pickled_patched_model_loads_in_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    # Saved and loaded on CPU (the child runs the kernels in the Triton interpreter); the
-    # expected logits come from the unpatched model, which runs anywhere.
+    # Saved on CPU. The child runs the kernels on the test device: the GPU where there is one,
+    # else the Triton interpreter on CPU (on a GPU machine the image's interpreter may not run
+    # at all, see tests.utils.cpu_interpreter_problem). The expected logits come from the
+    # unpatched model, which runs anywhere.
     reference = build_model("llama", seed=3).cpu().eval()
     instance = copy.deepcopy(reference)
     _apply_liger_kernel_to_instance(instance)
@@ -484,14 +487,20 @@ def test_pickled_patched_model_loads_in_a_fresh_process(tmp_path):
     script = (
         "import sys, torch\n"
         "from liger_kernel.transformers import liger_patched_modules\n"
+        f"device = {DEVICE!r}\n"
         "saved = torch.load(sys.argv[1], weights_only=False)\n"
+        "batch = {k: v.to(device) for k, v in saved['batch'].items()}\n"
         "for model in saved['models']:\n"
         "    assert liger_patched_modules(model), type(model)\n"
-        f"    torch.testing.assert_close(model(**saved['batch']).logits, saved['logits'], **{FP32_TOL!r})\n"
+        "    logits = model.to(device)(**batch).logits.cpu()\n"
+        f"    torch.testing.assert_close(logits, saved['logits'], **{FP32_TOL!r})\n"
         "print('loaded', [type(m.model.norm).__name__ for m in saved['models']])\n"
     )
+    env = dict(os.environ)
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+                            env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded ['LlamaRMSNorm', 'LigerLlamaRMSNorm']" in result.stdout
 

@@ -620,7 +620,7 @@ class _GradOwnershipProbe(torch.autograd.Function):
         return grad_output * 2.0 if not write_into_grad else grad_output
 
 
-def _calibrate_owned_grad_references() -> tuple[int, int, int, int] | None:
+def _calibrate_owned_grad_references(device: str = "cpu") -> tuple[int, int, int, int] | None:
     """Counts of :func:`_grad_owned_by_autograd` for gradients autograd made: one plain, one a
     view of another (None where they cannot be measured)."""
     global _CALIBRATION_COUNTS
@@ -629,7 +629,7 @@ def _calibrate_owned_grad_references() -> tuple[int, int, int, int] | None:
     _CALIBRATION_COUNTS = []
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            x = torch.ones(2, 4, device="cpu", requires_grad=True)
+            x = torch.ones(2, 4, device=device, requires_grad=True)
             (_GradOwnershipProbe.apply(x) * 2.0).sum().backward()  # a fresh (2, 4) gradient
             (_GradOwnershipProbe.apply(x).view(-1) * 2.0).sum().backward()  # a (2, 4) view of a fresh (8,)
         (plain, plain_base, plain_users), (viewed, base, viewed_users) = _CALIBRATION_COUNTS

@@ -136,13 +136,20 @@ def _output_cache_field(output_class: type) -> str:
     return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
 
 
+# ``[transformers.modeling_utils.slice_logits_to_keep or None]`` once looked up. The lookup is
+# an import, which Dynamo cannot trace (transformers is a lazy module: a graph break under
+# torch.compile), so patching makes it before any forward can run compiled.
+_HF_SLICE_LOGITS_TO_KEEP: list = []
+
+
 def _hf_slice_logits_to_keep():
     # transformers 5.25 slices through ``modeling_utils.slice_logits_to_keep`` (which also
     # takes 2-D tensors); 5.17 has no such function and indexes ``hidden_states`` inline.
-    # (Not functools.cache'd: the import is a dict lookup, and Dynamo warns on cache wrappers.)
-    from transformers import modeling_utils
+    if not _HF_SLICE_LOGITS_TO_KEEP:
+        from transformers import modeling_utils
 
-    return getattr(modeling_utils, "slice_logits_to_keep", None)
+        _HF_SLICE_LOGITS_TO_KEEP.append(getattr(modeling_utils, "slice_logits_to_keep", None))
+    return _HF_SLICE_LOGITS_TO_KEEP[0]
 
 
 def _positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
