@@ -11,6 +11,7 @@
 # Environment:
 #   GPU_CHECK_TESTS=0|1 (1)   GPU_CHECK_BENCH=0|1 (1)   GPU_CHECK_E2E=0|1 (1)
 #   PYTEST_ARGS   extra pytest arguments, e.g. "-x" or "-k rms_norm"
+#   GPU_CHECK_WORKERS (6)  xdist workers for all but the memory-hungry tests
 #   BENCH_ARGS    extra arguments for python -m benchmarks, e.g. "--quick --ops rope"
 #   E2E_ARGS      extra arguments for benchmarks/e2e_training.py
 #   GPU_CHECK_INSTALL=0|1 (1)  pip install --no-deps --no-build-isolation -e . first (so
@@ -128,17 +129,19 @@ tests_rc=skipped bench_rc=skipped e2e_rc=skipped
 
 # ---------------------------------------------------------------- tests
 if [ "$run_tests" = 1 ]; then
-  secs=$(stage_seconds tests)
-  echo "== tests (full shapes, up to ${secs}s) ==" >&2
+  echo "== tests (full shapes, up to $(stage_seconds tests)s for both stages) ==" >&2
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
   # The memory-hungry tests (>2**31-element tensors; fused linear CE with float64 references
-  # of (1024, 128256) logits and a (128256, 4096) dW) run alone first; the rest, small, on 4
-  # xdist workers sharing the GPU.
-  LIGER_TEST_SHAPES=full with_timeout 300 "$PY" -m pytest tests/ops/test_huge_tensors.py \
+  # of (1024, 128256) logits and a (128256, 4096) dW) run alone first; the rest, small, on
+  # GPU_CHECK_WORKERS (6) xdist workers sharing the GPU. Both stages share the tests' budget.
+  secs=$(stage_seconds tests)
+  LIGER_TEST_SHAPES=full with_timeout $((secs < 300 ? secs : 300)) "$PY" -m pytest tests/ops/test_huge_tensors.py \
     tests/ops/test_fused_linear_cross_entropy.py -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} \
     >"$out/tests_serial.log" 2>&1
   huge_rc=$?
-  LIGER_TEST_SHAPES=full with_timeout "$secs" "$PY" -m pytest tests -q -ra -p no:cacheprovider -n 4 \
+  secs=$(stage_seconds tests)  # what the serial stage left
+  LIGER_TEST_SHAPES=full with_timeout "$secs" "$PY" -m pytest tests -q -ra -p no:cacheprovider \
+    -n "${GPU_CHECK_WORKERS:-6}" \
     --ignore tests/ops/test_huge_tensors.py --ignore tests/ops/test_fused_linear_cross_entropy.py \
     --junitxml="$out/junit.xml" ${PYTEST_ARGS:-} >"$out/tests.log" 2>&1
   tests_rc=$?

@@ -99,3 +99,19 @@ def target_onehot_coefficients(target, class_weight, upstream, reduction, ignore
     if reduction == "mean":
         coef = coef / (w_y.sum() if counted.any() else 1.0)
     return safe, coef
+
+
+def grad_ownership_report(run) -> str:
+    """What the norms' in-place ownership check sees while ``run()`` runs (its counts and the
+    limits calibrated at import), for the message of a failed in-place assertion. Nothing is
+    written in place meanwhile."""
+    import liger_kernel.ops.utils as ops_utils
+
+    ops_utils._CALIBRATION_COUNTS = []
+    try:
+        run()
+        counts = list(ops_utils._CALIBRATION_COUNTS)
+    finally:
+        ops_utils._CALIBRATION_COUNTS = None
+    return (f"counts (refs, base refs, storage users) {counts}; limits {ops_utils._OWNED_GRAD_REFERENCES}; "
+            f"compiling {torch.compiler.is_compiling()}")

@@ -8,10 +8,10 @@ import liger_kernel.ops.utils as u
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
 
-def recorded(run):
+def recorded(run, *args):
     u._CALIBRATION_COUNTS = []
     try:
-        run()
+        run(*args)
         return list(u._CALIBRATION_COUNTS)
     finally:
         u._CALIBRATION_COUNTS = None
@@ -33,8 +33,9 @@ def norm_into_linear(device):
 
 def llama(device):
     sys.path.insert(0, ".")
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from tests.transformers.model_configs import VOCAB, build_model, random_batch
+
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
     model = build_model("llama", seed=1).to(device)
     _apply_liger_kernel_to_instance(model)
     model(**random_batch(VOCAB, seed=0, device=device)).loss.backward()
@@ -44,7 +45,30 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "limits at i
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 for device in devices:
     print(device, "calibrated limits", u._calibrate_owned_grad_references(device))
-    print(device, "probe counts (refs, base refs, storage users)", recorded(lambda: probes(device)))
+    print(device, "probe counts (refs, base refs, storage users)", recorded(probes, device))
     if device == "cuda" or u.is_interpreter():
-        print(device, "norm -> Linear", recorded(lambda: norm_into_linear(device)))
-        print(device, "llama norms", recorded(lambda: llama(device)))
+        print(device, "norm -> Linear", recorded(norm_into_linear, device))
+        print(device, "llama norms", recorded(llama, device))
+
+
+def in_place_decisions(device):
+    """As tests/transformers/test_layer_norm.py::test_in_place_option: was dx written over dy?"""
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    x = torch.randn(5, 64, device=device, requires_grad=True)
+    w, b = torch.ones(64, device=device, requires_grad=True), torch.zeros(64, device=device, requires_grad=True)
+    seen = {}
+    x.register_hook(lambda g: seen.update(dx=g.data_ptr()))
+    y = LigerLayerNormFunction.apply(x, w, b, 1e-6, True)
+    y.register_hook(lambda g: seen.update(dy=g.data_ptr()))
+    (y * 1).backward(torch.randn(5, 64, device=device))
+    return seen["dx"] == seen["dy"]
+
+
+if "compile" in sys.argv[1:] and torch.cuda.is_available():
+    print("cuda in place, before any torch.compile:", in_place_decisions("cuda"))
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda())
+    compiled(torch.randn(4, 64, device="cuda", requires_grad=True)).sum().backward()
+    print("cuda in place, after a torch.compile fwd+bwd:", in_place_decisions("cuda"))
+    print("cuda probe counts after compile", recorded(probes, "cuda"))
+    print("cuda norm -> Linear after compile", recorded(norm_into_linear, "cuda"))
+    print("limits recalibrated after compile", u._calibrate_owned_grad_references("cuda"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liger_kernel.transformers.layer_norm import LigerLayerNorm, liger_layer_norm
-from tests.utils import DEVICE, assert_close
+from tests.utils import DEVICE, assert_close, grad_ownership_report
 
 HIDDEN = 123
 
@@ -120,6 +120,8 @@ def test_in_place_option(in_place):
     # The default reuses the storage of the gradient autograd hands the norm for dX (here the
     # one y * 1's backward makes); the caller's own dy is never overwritten.
     (y * 1).backward(dy)
-    assert (seen["dx"] == seen["dy"]) == in_place
+    if (seen["dx"] == seen["dy"]) != in_place:
+        pytest.fail(f"in_place={in_place} but dx {'was' if not in_place else 'was not'} written over dy; "
+                    + grad_ownership_report(lambda: (ours(x) * 1).backward(dy)))
     assert torch.equal(dy, kept)
     assert LigerLayerNorm(8).in_place and not LigerLayerNorm(8, in_place=False).in_place

@@ -13,7 +13,7 @@ import torch
 
 from liger_kernel.transformers.rms_norm import LigerRMSNorm, liger_rms_norm
 from tests.transformers.model_configs import MODEL_TYPES, VOCAB, build_model, random_batch
-from tests.utils import DEVICE, assert_close
+from tests.utils import DEVICE, assert_close, grad_ownership_report
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
@@ -152,5 +152,8 @@ def test_patched_models_write_norm_gradients_in_place(model_type, monkeypatch):
 
     rms_norm_backward = rms_norm_ops.rms_norm_backward
     monkeypatch.setattr(rms_norm_ops, "rms_norm_backward", recording_backward)
-    model(**random_batch(VOCAB, seed=0)).loss.backward()
-    assert sorted(decided) == sorted(in_place)
+    batch = random_batch(VOCAB, seed=0)
+    model(**batch).loss.backward()
+    if sorted(decided) != sorted(in_place):
+        report = grad_ownership_report(lambda: model(**batch).loss.backward())
+        pytest.fail(f"written in place: {decided}, asked for: {in_place}; {report}")
