@@ -10,15 +10,17 @@ mkdir -p "$out/pack"
 GPU_CHECK_BENCH=0 GPU_CHECK_E2E=0 GPU_CHECK_BUDGET_S=${SUITE_BUDGET_S:-400} \
   bash scripts/gpu_check.sh "$out/pack/r" > "$out/suite.txt" 2>&1
 tail -8 "$out/suite.txt"
+# Few files come back per call: each stage packs its own as soon as it ends.
+tar -C "$out/pack" -czf "$out/suite.tgz" r && rm -rf "$out/pack/r"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # Anything the suite left running would share the GPU with the demo's timed runs.
 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv 2>&1 | tee "$out/gpu_apps_before_demo.txt"
 timeout -s INT -k 10 "${DEMO_SECONDS:-140}" python -u scripts/demo.py --out "$out/pack/demo" > "$out/demo.log" 2>&1
 echo "make-demo-equivalent exit $?" | tee -a "$out/exits.txt"
 grep -v "it/s\]\|s/it\]" "$out/demo.log" | tail -16
+[ -d "$out/pack/demo" ] && tar -C "$out/pack" -czf "$out/demo.tgz" demo && rm -rf "$out/pack/demo"
 [ "${BENCH_SECONDS:-90}" = 0 ] || timeout -s INT -k 10 "${BENCH_SECONDS:-90}" python -m benchmarks --quick --ops rms_norm,layer_norm --no-plots \
   --max-seconds $(( ${BENCH_SECONDS:-90} - 25 )) --out "$out/pack/bench" > "$out/pack/bench.log" 2>&1
 echo "norm benchmarks exit $?" | tee -a "$out/exits.txt"
 grep -i "rms_norm\|layer_norm" "$out/pack/bench.log" | tail -12
-# Few files come back per call: pack them all.
-tar -C "$out" -czf "$out/all.tgz" pack && rm -rf "$out/pack"
+[ -d "$out/pack/bench" ] && tar -C "$out/pack" -czf "$out/bench.tgz" bench bench.log && rm -rf "$out/pack"
