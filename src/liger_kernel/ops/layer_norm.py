@@ -28,11 +28,12 @@ buffers in a fixed order and rounds them to the parameters' dtypes.
 
 ``in_place=True`` (the default, as for RMSNorm) lets the backward write dx over dy's
 storage when dy is contiguous with x's dtype, so the backward allocates no N x H buffer
-(only the small (P, H) partials). The caller must not need dy afterwards: when the norm's
-output goes straight into an op whose backward hands the same gradient tensor to another
-input too (e.g. ``LayerNorm(x) + r`` with ``r`` requiring grad), use ``in_place=False``. A
+(only the small (P, H) partials), and only when nothing else can read dy afterwards: a
 gradient passed in by the caller (``y.backward(g)``) or kept by a hook, also as a detached
-alias (``g.detach()``, ``g.data``), is never overwritten.
+alias (``g.detach()``, ``g.data``), is never overwritten. When the norm's output goes
+straight into an op whose backward hands the same gradient tensor to another input too
+(``LayerNorm(x) + r`` with ``r`` requiring grad), that is detected on the torch versions
+tested (2.11, 2.13); on others, use ``in_place=False`` there.
 
 The kernels are the row-normalisation kernels shared with RMSNorm
 (``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:

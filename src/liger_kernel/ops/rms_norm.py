@@ -36,11 +36,12 @@ a (P, H) fp32 buffer, which is then summed in a fixed order.
 
 ``in_place=True`` lets the backward write dx over dy's storage (no new N x H buffer)
 when that is safe for the kernel: dy contiguous and of x's dtype (otherwise a fresh dx is
-allocated). The caller must not need dy afterwards: if the norm's output gradient is the
-very tensor another backward node also receives (e.g. the output is added straight to a
-residual stream whose gradient is not copied), use ``in_place=False``. A gradient the caller
-passes in (``y.backward(g)``) or a hook keeps, also as a detached alias (``g.detach()``,
-``g.data``), is never overwritten (see ``utils.backward_writes_into_grad``).
+allocated), and only when nothing else can read dy afterwards (see
+``utils.backward_writes_into_grad``): a gradient the caller passes in (``y.backward(g)``)
+or a hook keeps, also as a detached alias (``g.detach()``, ``g.data``), is never
+overwritten. A gradient tensor that another backward node also receives (the output added
+straight to a residual stream) is detected on the torch versions tested (2.11, 2.13); on
+others, use ``in_place=False`` there.
 
 Rows of all zeros give y = 0 and rstd = 1/sqrt(eps) (finite for eps > 0); empty inputs
 give empty outputs and a zero dw.

@@ -584,10 +584,10 @@ def _grad_owned_by_autograd(grad: torch.Tensor) -> bool:
 
     Without CPython reference counts (another interpreter, a free-threaded build) or without
     torch's storage use count, nothing counts as owned. A gradient autograd hands to two
-    branches of the graph as one tensor (the norm's output added to a residual stream) was seen
-    on torch 2.13 (CPU), whose engine keeps the Python object referenced meanwhile; older torch
-    versions were not checked, so that case stays the caller's to avoid with
-    ``in_place=False`` as the norms' docstrings say.
+    branches of the graph as one tensor (the norm's output added to a residual stream) is seen
+    on torch 2.11 (CUDA) and 2.13 (CPU), whose engines keep the Python object referenced
+    meanwhile (``tests/ops/test_utils.py``); other versions were not checked, so there that case
+    stays the caller's to avoid with ``in_place=False`` as the norms' docstrings say.
     """
     base = grad._base
     counts = (sys.getrefcount(grad), 0 if base is None else sys.getrefcount(base), _storage_users(grad))
