@@ -252,3 +252,28 @@ def test_norm_backward_with_its_output_added_to_a_residual_stream(norm):
         results[in_place] = [leaf.grad for leaf in leaves]
     for with_write, without in zip(results[True], results[False]):
         assert torch.equal(with_write, without)
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_backward_without_storage_use_count_writes_nothing_in_place(norm, monkeypatch):
+    """A torch without ``torch._C._storage_Use_Count`` cannot tell a detached alias apart:
+    calibration gives up, and the in-place backward then allocates dx instead of failing."""
+    import liger_kernel.ops.utils as ops_utils
+
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert ops_utils._calibrate_owned_grad_references() is None
+    monkeypatch.setattr(ops_utils, "_OWNED_GRAD_REFERENCES", None)
+    x, params = norm_inputs(norm, (2, 3, 123))
+    proj = torch.nn.Linear(123, 17).to(DEVICE)
+    grads = {}
+    for in_place in (True, False):
+        seen = {}
+        xi, *ps = leaves_of(x, *params)
+        xi.register_hook(lambda g, seen=seen: seen.update(dx=g.data_ptr()))
+        y = NORMS[norm](xi, ps, in_place)
+        y.register_hook(lambda g, seen=seen: seen.update(dy=g.data_ptr()))
+        proj(y).sum().backward()
+        assert seen["dx"] != seen["dy"]
+        grads[in_place] = [xi.grad, *(p.grad for p in ps)]
+    for with_write, without in zip(grads[True], grads[False]):
+        assert torch.equal(with_write, without)

@@ -589,13 +589,13 @@ def _grad_owned_by_autograd(grad: torch.Tensor) -> bool:
     meanwhile (``tests/ops/test_utils.py``); other versions were not checked, so there that case
     stays the caller's to avoid with ``in_place=False`` as the norms' docstrings say.
     """
+    limits = _OWNED_GRAD_REFERENCES
+    if limits is None and _CALIBRATION_COUNTS is None:
+        return False  # unknown (or not countable in this torch): never written in place
     base = grad._base
     counts = (sys.getrefcount(grad), 0 if base is None else sys.getrefcount(base), _storage_users(grad))
     if _CALIBRATION_COUNTS is not None:
         _CALIBRATION_COUNTS.append(counts)
-        return False
-    limits = _OWNED_GRAD_REFERENCES
-    if limits is None:
         return False
     max_refs, max_base_refs, max_users, max_users_of_a_view = limits
     return (counts[0] <= max_refs and counts[1] <= max_base_refs
