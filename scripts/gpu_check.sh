@@ -130,16 +130,17 @@ tests_rc=skipped bench_rc=skipped e2e_rc=skipped
 # ---------------------------------------------------------------- tests
 if [ "$run_tests" = 1 ]; then
   echo "== tests (full shapes, up to $(stage_seconds tests)s for both stages) ==" >&2
-  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
   # The memory-hungry tests (>2**31-element tensors; fused linear CE with float64 references
   # of (1024, 128256) logits and a (128256, 4096) dW) run alone first; the rest, small, on
   # GPU_CHECK_WORKERS (6) xdist workers sharing the GPU. Both stages share the tests' budget.
   secs=$(stage_seconds tests)
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
   LIGER_TEST_SHAPES=full with_timeout $((secs < 300 ? secs : 300)) "$PY" -m pytest tests/ops/test_huge_tensors.py \
     tests/ops/test_fused_linear_cross_entropy.py -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} \
     >"$out/tests_serial.log" 2>&1
   huge_rc=$?
   secs=$(stage_seconds tests)  # what the serial stage left
+  # shellcheck disable=SC2086
   LIGER_TEST_SHAPES=full with_timeout "$secs" "$PY" -m pytest tests -q -ra -p no:cacheprovider \
     -n "${GPU_CHECK_WORKERS:-6}" \
     --ignore tests/ops/test_huge_tensors.py --ignore tests/ops/test_fused_linear_cross_entropy.py \

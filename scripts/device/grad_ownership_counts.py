@@ -1,20 +1,15 @@
 """What the norms' ownership check counts on each device: the calibration probes, a norm feeding
-a Linear, and every norm of a tiny patched Llama (counts recorded, nothing written in place)."""
+a Linear, and every norm of a tiny patched Llama (counts recorded, nothing written in place).
+Run from the repository root (it imports the test helpers)."""
 import sys
 
 import torch
 
-import liger_kernel.ops.utils as u
-from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+sys.path.insert(0, ".")
+from tests.utils import recorded_ownership_counts as recorded  # noqa: E402
 
-
-def recorded(run, *args):
-    u._CALIBRATION_COUNTS = []
-    try:
-        run(*args)
-        return list(u._CALIBRATION_COUNTS)
-    finally:
-        u._CALIBRATION_COUNTS = None
+import liger_kernel.ops.utils as u  # noqa: E402
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: E402
 
 
 def probes(device):
@@ -32,7 +27,6 @@ def norm_into_linear(device):
 
 
 def llama(device):
-    sys.path.insert(0, ".")
     from tests.transformers.model_configs import VOCAB, build_model, random_batch
 
     from liger_kernel.transformers import _apply_liger_kernel_to_instance

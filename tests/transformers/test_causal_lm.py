@@ -202,6 +202,29 @@ def test_logits_to_keep_two_dimensional(form):
         patched(input_ids=input_ids, labels=batch["labels"], logits_to_keep=logits_to_keep)
 
 
+@pytest.mark.parametrize("level", ["instance", "class", "unpickled"])
+def test_hf_slice_lookup_is_made_when_the_forward_is_installed(level, monkeypatch):
+    """The patched forward must not import ``transformers.modeling_utils`` itself: torch 2.11's
+    Dynamo cannot trace that import (a graph break in every compiled patched model; CPU torch
+    2.13 traces it, so only this test guards it here). Patching, and unpickling a patched
+    instance, make the lookup first."""
+    import pickle
+
+    from liger_kernel.transformers import causal_lm, liger_kernel_patched
+
+    monkeypatch.setattr(causal_lm, "_HF_SLICE_LOGITS_TO_KEEP", [])
+    if level == "class":
+        with liger_kernel_patched("llama"):
+            assert causal_lm._HF_SLICE_LOGITS_TO_KEEP
+        return
+    _, patched = _pair()
+    if level == "unpickled":
+        data = pickle.dumps(patched)
+        monkeypatch.setattr(causal_lm, "_HF_SLICE_LOGITS_TO_KEEP", [])
+        pickle.loads(data)
+    assert causal_lm._HF_SLICE_LOGITS_TO_KEEP
+
+
 def test_logits_to_keep_without_hf_slice_function(monkeypatch):
     # transformers 5.17 indexes hidden_states[:, logits_to_keep, :] itself and documents int
     # and 1-D forms only: those must still match, a 2-D tensor must raise a clear error.

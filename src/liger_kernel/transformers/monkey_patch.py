@@ -306,7 +306,9 @@ _INSTANCE_CLASSES: dict[tuple[type, tuple[tuple[str, Callable], ...]], type] = {
 
 def _instance_class(base: type, overrides: dict[str, Callable]) -> type:
     """The cached subclass of ``base`` that defines the methods ``overrides`` (see :func:`_bind`)."""
-    _hf_slice_logits_to_keep()  # looked up now: under torch.compile the forward could not import it
+    if any(_innermost(fn) is liger_causal_lm_forward for fn in overrides.values()):
+        # Looked up now (binding or unpickling), not in the forward: torch.compile cannot trace it there.
+        _hf_slice_logits_to_keep()
     key = (base, tuple(sorted(overrides.items(), key=lambda item: item[0])))
     patched = _INSTANCE_CLASSES.get(key)
     if patched is None:
@@ -614,7 +616,7 @@ def _patch_classes(
         _set_patched(mt, modeling, family.mlp.class_name, _liger_mlp_class(mt, hf_class))
     causal_lm = getattr(modeling, family.causal_lm_class)
     if fused_linear_cross_entropy:
-        _hf_slice_logits_to_keep()  # looked up now: under torch.compile the forward could not import it
+        _hf_slice_logits_to_keep()  # looked up now, not in the forward: torch.compile cannot trace it there
         _set_patched(mt, causal_lm, "forward", liger_causal_lm_forward)
         _set_patched(mt, causal_lm, "_liger_recompute_norm_outputs", bool(recompute_norm_outputs))
     if cross_entropy:
