@@ -362,6 +362,19 @@ class _SecondDerivativeRaises(torch.autograd.Function):
                            "(double backward is not supported)")
 
 
+def _warn_unanchored_second_derivative(function_name: str) -> None:
+    # Python's default filter shows each distinct message once.
+    import warnings
+
+    warnings.warn(
+        f"{function_name}'s backward ran with create_graph=True. It is once-differentiable and keeps "
+        "none of its inputs: differentiating its gradients again raises through backward(), but "
+        "torch.autograd.grad(.., inputs) of them silently leaves out this op's part of the second "
+        "derivative. Use the PyTorch op where second derivatives are needed.",
+        stacklevel=4,
+    )
+
+
 def once_differentiable(backward):
     """``torch.autograd.function.once_differentiable`` for an autograd Function's backward,
     closing the gaps through which a second derivative comes out silently wrong.
@@ -375,8 +388,9 @@ def once_differentiable(backward):
     every gradient is marked by a node also connected to the saved inputs that require
     grad, which a second derivative with respect to them must pass. (A Function that saves
     none of its inputs, e.g. one that keeps only gradients computed in its forward, is
-    marked unconnected, as by torch's decorator.) Without ``create_graph`` the backward's
-    results are returned untouched.
+    marked unconnected, as by torch's decorator, and warns (once per Function): there
+    ``torch.autograd.grad(.., inputs)`` of its gradients cannot be made to raise.) Without
+    ``create_graph`` the backward's results are returned untouched.
     """
     checked = torch.autograd.function.once_differentiable(backward)
 
@@ -391,6 +405,8 @@ def once_differentiable(backward):
         # Unpacked before the backward runs: it may scale a saved buffer in place, which a
         # later unpack would report as a modified saved tensor.
         anchors = [t for t in ctx.saved_tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not anchors and any(ctx.needs_input_grad):
+            _warn_unanchored_second_derivative(type(ctx).__name__.removesuffix("Backward"))
         outputs = checked(ctx, *grads)
         single = not isinstance(outputs, tuple)
         results = [outputs] if single else list(outputs)
