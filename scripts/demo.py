@@ -51,6 +51,11 @@ MODEL_SIZES = {
                   intermediate_size=688),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=2048),
+    "large": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                  intermediate_size=2816),
+    # Llama-3.2-1B's decoder (hidden 2048, 16 layers, 32 / 8 heads) with the byte vocabulary
+    "xl": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192),
 }
 
 # Defaults per device: on CPU every kernel runs in the Triton interpreter (Python loops over

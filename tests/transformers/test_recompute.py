@@ -253,6 +253,40 @@ def test_patched_model_same_gradients(model_type):
     assert bytes_b < bytes_a
 
 
+def test_patched_model_skips_the_recompute_under_autocast():
+    """Under autocast that casts the residual stream (the HF Trainer's ``bf16=True`` over fp32
+    weights) every projection saves its own cast of a norm output, never the output, so the
+    patched forward leaves the recompute context (and its hooks' host time) out: the same
+    loss, gradients and saved bytes as without it. Without autocast the same model uses it."""
+    pytest.importorskip("transformers")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.recompute import autocast_recasts, recomputing
+    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+
+    device_type = torch.device(DEVICE).type
+    batch = random_batch(1024, seed=3)
+    seen: list[bool] = []
+    results = []
+    for recompute in (False, True):
+        model = build_model("llama")
+        _apply_liger_kernel_to_instance(model, recompute_norm_outputs=recompute)
+        model.model.layers[0].input_layernorm.register_forward_pre_hook(lambda m, a: seen.append(recomputing()))
+        with SavedBytes() as saved, torch.autocast(device_type, dtype=torch.bfloat16):
+            assert autocast_recasts(device_type, torch.float32)
+            assert not autocast_recasts(device_type, torch.bfloat16)
+            results.append((loss_and_grads(model, batch), saved.total))
+    assert seen == [False, False]
+    ((loss_a, grads_a), bytes_a), ((loss_b, grads_b), bytes_b) = results
+    assert bytes_a == bytes_b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    assert not autocast_recasts(device_type, torch.float32)
+    loss_and_grads(model, batch)
+    assert seen[-1] is True
+
+
 def test_zero3_parameters_are_not_recomputed():
     """A DeepSpeed ZeRO-3 parameter (marked ``ds_id``) is gathered too late for a recompute."""
     block = make_block("rms")

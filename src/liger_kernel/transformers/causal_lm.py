@@ -29,7 +29,9 @@ With ``_liger_recompute_norm_outputs`` set on the model (the patch's
 ``recompute_norm_outputs=True``, the default) the decoder runs inside
 :func:`liger_kernel.transformers.recompute.recompute_norm_outputs` with ``scope="consumers"``:
 the norm outputs the projections save are recomputed in backward instead of kept (same
-values, less memory). The first such forward hooks the model's ``nn.Linear`` modules and the
+values, less memory). Under autocast that casts the residual stream's dtype (the HF
+Trainer's ``bf16=True`` over fp32 weights) the projections save their own casts instead, so
+the context is not entered there: it would only spend host time on its hooks. The first such forward hooks the model's ``nn.Linear`` modules and the
 family's other norm consumers (:func:`~liger_kernel.transformers.recompute.hook_norm_consumers`).
 
 Logits are returned when asked (``skip_logits=False``) and by default whenever the model is
@@ -59,7 +61,7 @@ from liger_kernel.transformers.distributed import (
     unwrapped_class,
 )
 from liger_kernel.transformers.families import ModelFamily, family_of
-from liger_kernel.transformers.recompute import hook_norm_consumers, recompute_norm_outputs
+from liger_kernel.transformers.recompute import autocast_recasts, hook_norm_consumers, recompute_norm_outputs
 
 IGNORE_INDEX = -100
 # Where the norm-output recompute hooks are active (see liger_kernel.transformers.recompute):
@@ -267,6 +269,11 @@ def liger_causal_lm_forward(
     base_model = getattr(self, self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
     recompute = getattr(self, "_liger_recompute_norm_outputs", False)
+    if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        residual = inputs_embeds if inputs_embeds is not None else getattr(self.get_input_embeddings(), "weight", None)
+        # Under autocast the projections save casts of the norm outputs: nothing to recompute.
+        if isinstance(residual, torch.Tensor):
+            recompute = not autocast_recasts(residual.device.type, residual.dtype)
     if (recompute and RECOMPUTE_SCOPE == "consumers" and torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and not self.__dict__.get("_liger_consumer_hooks")):
         hook_norm_consumers(self, family.norm.consumer_classes if family is not None else ())

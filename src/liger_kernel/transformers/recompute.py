@@ -186,6 +186,17 @@ def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
     session.outputs[key] = (weakref.ref(y), _Recipe(compute, inputs))
 
 
+def autocast_recasts(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether autocast is on for ``device_type`` and casts a ``dtype`` tensor before a projection.
+
+    Then every ``nn.Linear`` saves its own cast of a norm output (the cast is what it
+    multiplies), never the output itself, so a recompute context would find nothing to replace
+    and cost only the host time of its hooks. Under the HF Trainer's ``bf16=True`` / ``fp16=True``
+    (fp32 weights under autocast) this is the case; in a model trained in bf16 it is not.
+    """
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != dtype
+
+
 def recomputing() -> bool:
     """Whether norm outputs created now would be registered (a context is active in this thread)."""
     return bool(_ACTIVE) and _current_session() is not None
