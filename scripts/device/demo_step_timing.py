@@ -3,8 +3,8 @@
 Session 16 and 17 measured `make demo` (base model, 16 x 1024 tokens, bf16-mixed) at x1.01,
 x1.17 and x1.03 tokens/s on H100s where session 15 measured x1.30, with the plain run steady
 (224-247k tokens/s) and the GPU at full clock: the patched run's power drew 340-490 W where
-the plain run drew ~515 W, i.e. its GPU sat partly idle. This script measures, per model
-shape and variant, one training step as the demo's Trainer runs it (bf16 autocast over fp32
+the plain run drew ~515 W, i.e. its GPU sat partly idle. This script measures, per demo
+model size (scripts/demo.py) and variant, one training step as the demo's Trainer runs it (bf16 autocast over fp32
 weights, fused AdamW, gradient clipping, one loss ``.item()`` a step for the logged curve):
 
 - ``synced``: wall time of a step that ends with ``loss.item()`` (what the demo times);
@@ -15,7 +15,7 @@ A step is host-bound where ``synced`` exceeds ``gpu``. (A host-time column was d
 step queues more kernels than CUDA's launch queue holds, so the host waited out the head
 start; run 17 call 3 printed ~250 ms for every variant.)
 
-Usage: ``python scripts/device/demo_step_timing.py [--shapes base,h1024,h2048] [--steps 12]``
+Usage: ``python scripts/device/demo_step_timing.py [--shapes base,large,xl] [--steps 12]``
 """
 
 from __future__ import annotations
@@ -24,27 +24,20 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-SHAPES = {
-    # the demo's "base" model
-    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                 intermediate_size=2048),
-    "h1024": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                  intermediate_size=2816),
-    # Llama-3.2-1B's decoder with the demo's byte vocabulary
-    "h2048": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                  intermediate_size=8192),
-}
-VOCAB = 257
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from demo import MODEL_SIZES, VOCAB_SIZE  # noqa: E402
+
 HEAD_START_CYCLES = 400_000_000
 
 
 def build(shape: str, variant: str, device: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPES[shape], vocab_size=VOCAB, max_position_embeddings=2048,
+    config = LlamaConfig(**MODEL_SIZES[shape], vocab_size=VOCAB_SIZE, max_position_embeddings=2048,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
                          attn_implementation="sdpa", use_cache=False, bos_token_id=None, eos_token_id=None,
                          pad_token_id=None)
@@ -61,7 +54,7 @@ def build(shape: str, variant: str, device: torch.device, dtype: torch.dtype):
 def measure(model: torch.nn.Module, args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """Per-step ms: synced wall times and GPU times (see the module docstring)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda")
+    ids = torch.randint(0, VOCAB_SIZE, (args.batch, args.seq), device="cuda")
 
     def step() -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast):
@@ -94,7 +87,7 @@ def measure(model: torch.nn.Module, args: argparse.Namespace) -> tuple[list[floa
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default="base,h1024,h2048")
+    p.add_argument("--shapes", default="base,large,xl")
     p.add_argument("--variants", default="hf,liger,liger-norecompute")
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast over fp32 weights (the demo); --no-autocast: bf16 weights")
