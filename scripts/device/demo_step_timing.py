@@ -45,9 +45,13 @@ def build(shape: str, variant: str, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     if variant != "hf":
+        import liger_kernel.transformers.causal_lm as causal_lm
         from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from liger_kernel.transformers.recompute import autocast_recasts
 
-        apply_liger_kernel_to_llama(model=model, recompute_norm_outputs=variant == "liger")
+        # liger-forced: the recompute context entered under autocast too (the code before 7e933ca)
+        causal_lm.autocast_recasts = (lambda device_type, dtype: False) if variant == "liger-forced" else autocast_recasts
+        apply_liger_kernel_to_llama(model=model, recompute_norm_outputs=variant in ("liger", "liger-forced"))
     return model
 
 
@@ -88,7 +92,9 @@ def measure(model: torch.nn.Module, args: argparse.Namespace) -> tuple[list[floa
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="base,large,xl")
-    p.add_argument("--variants", default="hf,liger,liger-norecompute")
+    p.add_argument("--variants", default="hf,liger,liger-norecompute",
+                   help="comma-separated, repeats allowed (interleave to see order effects): hf, liger, "
+                        "liger-norecompute, liger-forced")
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast over fp32 weights (the demo); --no-autocast: bf16 weights")
     p.add_argument("--steps", type=int, default=12)
