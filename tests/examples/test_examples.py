@@ -107,6 +107,27 @@ def test_demo_data_from_a_file(tmp_path):
         demo.text_files(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("total_gib, expected", [(80, "large"), (141, "large"), (56, "large"), (40, "base"),
+                                                  (24, "base")])
+def test_demo_gpu_default_model_fits_the_gpu(monkeypatch, total_gib, expected):
+    """On a GPU the demo picks the large model (its control run peaks at ~44 GiB) only where it fits."""
+    from types import SimpleNamespace
+
+    demo = load_module("scripts/demo.py", "liger_demo_under_test")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(total_memory=total_gib * 2**30))
+    assert demo.gpu_default_model_size() == expected
+
+
+@pytest.mark.parametrize("size", ["large", "xl"])
+def test_demo_model_sizes_are_valid_llama_configs(size):
+    demo = load_module("scripts/demo.py", "liger_demo_under_test")
+    spec = demo.MODEL_SIZES[size]
+    assert spec["hidden_size"] % spec["num_attention_heads"] == 0
+    assert spec["num_attention_heads"] % spec["num_key_value_heads"] == 0
+
+
 # ----------------------------------------------------------------------------------------
 # examples/huggingface
 # ----------------------------------------------------------------------------------------
