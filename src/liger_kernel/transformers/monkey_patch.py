@@ -678,8 +678,9 @@ def _make_apply_fn(family: ModelFamily) -> Callable[..., None]:
             undone by ``revert_liger_kernel({family.model_type!r})``).
         recompute_norm_outputs: with the fused forward, the norm outputs that the projections
             save for backward are recomputed there instead of kept (bitwise the same values;
-            2 x tokens x hidden elements less memory per layer). See
-            :mod:`liger_kernel.transformers.recompute`.
+            2 x tokens x hidden elements less memory per layer). Not entered under autocast
+            that casts the residual stream (Trainer ``bf16=True`` over fp32 weights), where the
+            projections save casts instead. See :mod:`liger_kernel.transformers.recompute`.
     """
     return apply
 
