@@ -287,6 +287,13 @@ def test_patched_model_skips_the_recompute_under_autocast():
     assert seen[-1] is True
 
 
+def test_autocast_check_accepts_device_types_autocast_does_not_know():
+    """Offloaded weights (accelerate) sit on the meta device, which autocast rejects: no cast there."""
+    from liger_kernel.transformers.recompute import autocast_recasts
+
+    assert autocast_recasts("meta", torch.float32) is False
+
+
 def test_zero3_parameters_are_not_recomputed():
     """A DeepSpeed ZeRO-3 parameter (marked ``ds_id``) is gathered too late for a recompute."""
     block = make_block("rms")

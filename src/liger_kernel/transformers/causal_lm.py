@@ -270,10 +270,13 @@ def liger_causal_lm_forward(
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
     recompute = getattr(self, "_liger_recompute_norm_outputs", False)
     if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # The residual stream's dtype is the embeddings'; its device the inputs' (offloaded
+        # embedding weights sit on the meta device until their hook loads them).
         residual = inputs_embeds if inputs_embeds is not None else getattr(self.get_input_embeddings(), "weight", None)
+        placed = inputs_embeds if inputs_embeds is not None else input_ids
         # Under autocast the projections save casts of the norm outputs: nothing to recompute.
-        if isinstance(residual, torch.Tensor):
-            recompute = not autocast_recasts(residual.device.type, residual.dtype)
+        if isinstance(residual, torch.Tensor) and isinstance(placed, torch.Tensor):
+            recompute = not autocast_recasts(placed.device.type, residual.dtype)
     if (recompute and RECOMPUTE_SCOPE == "consumers" and torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and not self.__dict__.get("_liger_consumer_hooks")):
         hook_norm_consumers(self, family.norm.consumer_classes if family is not None else ())

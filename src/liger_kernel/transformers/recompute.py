@@ -194,7 +194,10 @@ def autocast_recasts(device_type: str, dtype: torch.dtype) -> bool:
     and cost only the host time of its hooks. Under the HF Trainer's ``bf16=True`` / ``fp16=True``
     (fp32 weights under autocast) this is the case; in a model trained in bf16 it is not.
     """
-    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != dtype
+    try:
+        return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != dtype
+    except RuntimeError:  # a device type autocast does not know (meta, ...): no autocast there
+        return False
 
 
 def recomputing() -> bool:
