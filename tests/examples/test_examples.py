@@ -63,9 +63,11 @@ def test_demo_tiny(tmp_path):
     proc = run_script("scripts/demo.py", "--model-size", "tiny", "--steps", "3", "--seq-len", "32",
                       "--batch-size", "2", "--max-data-mb", "0.25", "--control", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "loss curves: AGREE" in proc.stdout
+    assert "liger vs plain: AGREE (exactness ok, gradients ok" in proc.stdout
     assert re.search(r"exactness, first 3 steps: .*: ok", proc.stdout)
-    assert re.search(r"drift, all 3 steps: .*: ok", proc.stdout)
+    for group in ("loss", "attention", "embedding", "mlp", "norms"):
+        assert re.search(rf"^  {group} +HF .* liger .* allowed .*: ok$", proc.stdout, re.M), group
+    assert re.search(r"drift, all 3 steps \(context, not a criterion\)", proc.stdout)
     assert "peak memory is" in proc.stdout
     for name in ("demo.png", "demo_losses.csv", "demo_summary.csv"):
         assert (out / name).stat().st_size > 0, name
@@ -85,6 +87,59 @@ def test_demo_tiny(tmp_path):
     assert set(summary) == {"plain", "liger", "control"}
     for r in summary.values():
         assert float(r["tokens_per_s"]) > 0 and float(r["peak_gib"]) > 0
+
+
+def tiny_llama_and_batch(demo, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**demo.MODEL_SIZES["tiny"], vocab_size=demo.VOCAB_SIZE, max_position_embeddings=64,
+                         tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config)
+    # Weights away from their initial values (norm weights of 1 hide a wrong weight term).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1 * p.std().nan_to_num(1.0).clamp_min(0.1))
+    input_ids = torch.randint(0, demo.VOCAB_SIZE, (2, 32), device=DEVICE)
+    return model, input_ids
+
+
+def test_demo_gradient_check_passes_the_library_and_leaves_the_model_alone():
+    demo = load_module("scripts/demo.py", "liger_demo_under_test")
+    model, input_ids = tiny_llama_and_batch(demo)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    check = demo.gradient_check(model, input_ids, "fp32")
+    assert set(check.errors) == {"loss", "attention", "embedding", "mlp", "norms"}
+    assert check.ok, check.errors
+    for hf_error, liger_error in check.errors.values():
+        assert 0 <= hf_error < 1e-5 and 0 <= liger_error < 1e-5
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert not demo.count_liger_patched_modules(model)
+
+
+@pytest.mark.parametrize("group, factor", [("norms", 1 + 1e-3), ("mlp", 1 + 1e-4), ("embedding", 1 - 1e-4)])
+def test_demo_gradient_check_catches_a_slightly_wrong_gradient(monkeypatch, group, factor):
+    """The check the demo's verdict rests on past the first steps finds a gradient off by 1e-4."""
+    import liger_kernel.transformers as liger_transformers
+
+    demo = load_module("scripts/demo.py", "liger_demo_under_test")
+    patch = liger_transformers._apply_liger_kernel_to_instance
+
+    def patch_with_a_wrong_gradient(model, **options):
+        patch(model=model, **options)
+        for name, p in model.named_parameters():
+            if demo.parameter_group(name) == group:
+                p.register_hook(lambda g: g * factor)
+
+    monkeypatch.setattr(liger_transformers, "_apply_liger_kernel_to_instance", patch_with_a_wrong_gradient)
+    model, input_ids = tiny_llama_and_batch(demo, seed=1)
+    check = demo.gradient_check(model, input_ids, "fp32")
+    assert not check.ok
+    failed = {k for k, (_, liger_error) in check.errors.items() if liger_error > check.allowed[k]}
+    assert failed == {group}, check.errors
 
 
 def test_demo_data_from_a_file(tmp_path):
