@@ -109,9 +109,12 @@ PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 # The control run's drift is still printed and plotted, as context for the curves.
 EARLY_STEPS = 20
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 2.0**-8, "bf16-mixed": 2.0**-8}
-# Liger's gradient error may exceed HF's by this factor (the kernel tests allow 1.25 per op;
-# a model chains a dozen ops, each rounding differently).
-GRAD_ERROR_FACTOR = 1.5
+# Liger's gradient error may exceed HF's by this factor: the factor of the model tests' one-step
+# check against float64 (tests/transformers/test_convergence.py). The kernel tests allow 1.25 per
+# op; a model chains a dozen ops, each rounding at different points. On CPU, bf16-mixed through
+# the interpreter (whose bf16 rounding is emulated), tiny and small models gave 1.00-1.44x per
+# group; fp32 1.01-1.11x.
+GRAD_ERROR_FACTOR = 2.0
 # Below these relative errors a difference is rounding whatever HF's own error: fp32, ~100
 # ulps (sums over ~1e4 terms in different orders); bf16, one unit roundoff.
 GRAD_RTOL_FLOOR = {"fp32": 1e-5, "bf16": 2.0**-8, "bf16-mixed": 2.0**-8}
