@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
 from liger_kernel.ops.utils import MAX_FUSED_BLOCK
-from tests.utils import DEVICE, assert_close, rel_error, shapes
+from tests.utils import DEVICE, assert_close, rel_error, shapes, tolerance
 
 # (rows, hidden): odd widths, one row, a ragged last tile, and a row wider than
 # MAX_FUSED_BLOCK so the column-block loop runs on the CPU too.
@@ -129,8 +129,8 @@ def assert_dx_close(dx, dx_ref, x, w, dy, offset):
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
     x_hat = x * rstd
     terms = rstd * (g.abs() + x_hat.abs() * (x_hat * g).abs().mean(-1, keepdim=True))
-    atol, rtol = 4e-5, 4e-5  # tolerance(torch.float32, scale=4)
-    allowed = atol + rtol * dx_ref.double().abs() + DX_CANCELLATION_ULPS * 2.0**-24 * terms
+    tol = tolerance(torch.float32, scale=4)
+    allowed = tol["atol"] + tol["rtol"] * dx_ref.double().abs() + DX_CANCELLATION_ULPS * 2.0**-24 * terms
     excess = (dx.double() - dx_ref.double()).abs() - allowed
     worst = int(excess.argmax())
     assert float(excess.max()) <= 0, (
