@@ -1,0 +1,93 @@
+"""Launch configurations as frozen values, and the one way to override them.
+
+Every op that has launch parameters (block sizes, warps, programs per SM, chunk budgets)
+declares them as a frozen dataclass deriving from :class:`LaunchConfig`:
+
+* ``heuristic(...)`` builds the default for a problem (shape, dtype, device). Launchers call
+  :func:`launch_config`, never the constructor, so that overrides apply;
+* ``search_space(...)`` (optional) yields the candidates that ``python -m benchmarks.tune``
+  times at the target shapes; the measured winner is what the heuristic encodes.
+
+A configuration changes the schedule only, never the result: the test suite runs the ops
+under several overrides and compares against the same references.
+
+Overriding, for tests, tuning and users who know their shapes::
+
+    from liger_kernel.ops.config import override_launch_config
+    from liger_kernel.ops.row_norm import RowNormConfig
+
+    with override_launch_config(RowNormConfig, backward_tile_elements=4096):
+        y = rms_norm(x)
+
+The override is scoped (a context variable, so threads and tasks do not see each other's)
+and nests; fields it does not name keep the heuristic's value. Unknown field names raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+C = TypeVar("C", bound="LaunchConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Base class of the ops' launch configurations (frozen dataclasses)."""
+
+    @classmethod
+    def heuristic(cls: type[C], *args: Any, **kwargs: Any) -> C:
+        """The default configuration for a problem; subclasses define the arguments."""
+        raise NotImplementedError(f"{cls.__name__} defines no heuristic")
+
+    @classmethod
+    def search_space(cls: type[C], *args: Any, **kwargs: Any) -> Iterable[C]:
+        """Candidates for ``python -m benchmarks.tune``; empty where nothing is tuned."""
+        return ()
+
+
+_OVERRIDES: contextvars.ContextVar[Mapping[type, Mapping[str, Any]]] = contextvars.ContextVar(
+    "liger_kernel_launch_config_overrides", default={}
+)
+
+
+def _field_names(config_cls: type) -> set[str]:
+    return {field.name for field in dataclasses.fields(config_cls)}
+
+
+@contextlib.contextmanager
+def override_launch_config(config_cls: type[LaunchConfig], **fields: Any) -> Iterator[None]:
+    """Within the block, every ``config_cls`` the ops build has ``fields`` replaced.
+
+    Raises ``TypeError`` for a class that is not a :class:`LaunchConfig` dataclass or a field
+    it does not have.
+    """
+    if not (isinstance(config_cls, type) and issubclass(config_cls, LaunchConfig)
+            and dataclasses.is_dataclass(config_cls)):
+        raise TypeError(f"override_launch_config needs a LaunchConfig dataclass, got {config_cls!r}")
+    unknown = set(fields) - _field_names(config_cls)
+    if unknown:
+        raise TypeError(f"{config_cls.__name__} has no field(s) {sorted(unknown)}; "
+                        f"fields: {sorted(_field_names(config_cls))}")
+    current = _OVERRIDES.get()
+    merged = dict(current)
+    merged[config_cls] = {**current.get(config_cls, {}), **fields}
+    token = _OVERRIDES.set(merged)
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def apply_overrides(config: C) -> C:
+    """``config`` with the fields of any active :func:`override_launch_config` for its class."""
+    fields = _OVERRIDES.get().get(type(config))
+    return dataclasses.replace(config, **fields) if fields else config
+
+
+def launch_config(config_cls: type[C], *args: Any, **kwargs: Any) -> C:
+    """The configuration a launcher uses: ``config_cls.heuristic(*args, **kwargs)`` plus overrides."""
+    return apply_overrides(config_cls.heuristic(*args, **kwargs))
