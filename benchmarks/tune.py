@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     import liger_kernel.ops.cross_entropy as ce_ops
     import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
     import liger_kernel.ops.rope as rope_ops
-    import liger_kernel.ops.utils as ops_utils
+    import liger_kernel.ops.row_norm as ops_utils
 
     device = torch.device("cuda")
     dtype = torch.bfloat16

@@ -33,7 +33,7 @@ from liger_kernel.ops.fused_linear_cross_entropy import (
     LigerFusedLinearCrossEntropyFunction,
     chunk_rows_for,
 )
-from liger_kernel.ops.utils import is_interpreter
+from liger_kernel.ops.launch import is_interpreter
 from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 from tests.ops.test_cross_entropy import assert_grad_close, assert_loss_close, reference_cross_entropy
 from tests.utils import DEVICE, FULL_SHAPES, shapes, target_onehot_coefficients

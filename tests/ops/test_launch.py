@@ -1,4 +1,4 @@
-"""ops.utils.launch_kernel: the cached-specialisation launch gives what ``kernel[grid]`` gives.
+"""ops.launch.launch_kernel: the cached-specialisation launch gives what ``kernel[grid]`` gives.
 
 On the GPU the second launch with the same argument properties skips Triton's lookup; these
 tests check that it still launches the right specialisation when alignment, integer
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops import utils
-from liger_kernel.ops.utils import _argument_key, is_interpreter, launch_kernel
+from liger_kernel.ops import launch as utils
+from liger_kernel.ops.launch import _argument_key, is_interpreter, launch_kernel
 from tests.utils import DEVICE
 
 FAST = not is_interpreter() and utils.FAST_LAUNCH

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from liger_kernel.ops.launch import MAX_FUSED_BLOCK
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-from liger_kernel.ops.utils import MAX_FUSED_BLOCK
 from tests.utils import DEVICE, TOLERANCES, assert_close, rel_error, shapes
 
 SHAPES = shapes(
@@ -270,7 +270,7 @@ def test_property(lead, hidden, bias, shift, eps, dtype):
 def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backward_tile, triton_partials_sum):
     """Backward prefetch, multi-row backward tiles and the two ways of summing the partials
     change the schedule only, not the result."""
-    import liger_kernel.ops.utils as ops_utils
+    import liger_kernel.ops.row_norm as ops_utils
 
     monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_PREFETCH", prefetch)
     monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_TILE_ELEMENTS", backward_tile)

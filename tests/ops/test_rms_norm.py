@@ -11,7 +11,7 @@ flips an occasional rounding), and our distance to the float64 truth must not ex
 own by more than 25%. In "none" mode, where the statistics themselves are rounded to the
 input dtype, the rstd must match HF's to one ulp of that dtype and the output is compared
 with HF's math applied to our rstd (see ``hf_none_output_with_our_statistics``). (Under the Triton interpreter the kernels round fp32 -> bf16 by
-hand, because the interpreter's own conversion truncates; see ops/utils._row_norm_round.)
+hand, because the interpreter's own conversion truncates; see ops/numerics.round_to_dtype.)
 """
 
 import pytest
@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from liger_kernel.ops.launch import MAX_FUSED_BLOCK
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
-from liger_kernel.ops.utils import MAX_FUSED_BLOCK
 from tests.utils import DEVICE, assert_close, rel_error, shapes, tolerance
 
 # (rows, hidden): odd widths, one row, a ragged last tile, and a row wider than
@@ -143,7 +143,7 @@ def assert_dx_close(dx, dx_ref, x, w, dy, offset):
 @pytest.mark.parametrize("n_rows,hidden", [(37, 123), (1000 + 7, 64)])
 def test_backward_accumulators_agree(monkeypatch, n_rows, hidden, row_accumulator):
     """Both dW accumulations of multi-row backward tiles (ROW_NORM_BACKWARD_ROW_ACCUMULATOR)."""
-    import liger_kernel.ops.utils as ops_utils
+    import liger_kernel.ops.row_norm as ops_utils
 
     monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_ROW_ACCUMULATOR", row_accumulator)
     assert ops_utils.row_norm_launch(n_rows, hidden, torch.device(DEVICE)).backward_row_accumulator is row_accumulator
@@ -353,7 +353,7 @@ def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backwar
     """The backward's tunables change only the schedule, never the result: prefetch on and off,
     one row per tile and several (with a ragged last tile), the partial dW summed by the
     Triton kernel or by torch, all against float64 truth."""
-    import liger_kernel.ops.utils as ops_utils
+    import liger_kernel.ops.row_norm as ops_utils
 
     monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_PREFETCH", prefetch)
     monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_TILE_ELEMENTS", backward_tile)
@@ -371,7 +371,7 @@ def test_forward_warps_change_only_the_summation_order(monkeypatch, n_rows, hidd
     """ROW_NORM_FORWARD_ELEMENTS_PER_THREAD picks the forward's warps. Other warps sum a row's
     squares in another order, so rstd may move by an fp32 ulp (seen on the H200) and y by
     one rounding of its dtype; nothing more."""
-    import liger_kernel.ops.utils as ops_utils
+    import liger_kernel.ops.row_norm as ops_utils
     from liger_kernel.ops.rms_norm import rms_norm_forward
 
     x, w, _ = make_inputs(n_rows, hidden, torch.bfloat16)

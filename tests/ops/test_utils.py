@@ -1,4 +1,4 @@
-"""Shared helpers of ops/utils.py that are not covered through an op: the in-place gradient
+"""Shared helpers of ops/ (row norms, gradient ownership, scaling) that are not covered through an op: the in-place gradient
 scale and the column sum of the norm backward's partials."""
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-from liger_kernel.ops.utils import scale_in_place, sum_partials
+from liger_kernel.ops.row_norm import sum_partials
+from liger_kernel.ops.scaling import scale_in_place
 from tests.utils import DEVICE
 
 
@@ -102,19 +103,21 @@ def test_sum_partials_rejects_bad_slab_count():
 
 def test_row_norm_launch_reads_max_fused_block_at_call_time(monkeypatch):
     """MAX_FUSED_BLOCK is a tunable: setting it changes which rows are walked in blocks."""
-    import liger_kernel.ops.utils as ops_utils
+    import liger_kernel.ops.launch as ops_launch
+    import liger_kernel.ops.row_norm as ops_utils
 
     assert ops_utils.row_norm_launch(4, 1000, torch.device(DEVICE)).fused
+    monkeypatch.setattr(ops_launch, "MAX_FUSED_BLOCK", 256)
     monkeypatch.setattr(ops_utils, "MAX_FUSED_BLOCK", 256)
     launch = ops_utils.row_norm_launch(4, 1000, torch.device(DEVICE))
     assert not launch.fused and launch.block_cols == 256
-    assert ops_utils.row_launch_settings(1000)[0] == 256
+    assert ops_launch.row_launch_settings(1000)[0] == 256
 
 
 def test_next_power_of_2_matches_triton():
     import triton
 
-    from liger_kernel.ops.utils import next_power_of_2
+    from liger_kernel.ops.launch import next_power_of_2
 
     for n in [*range(0, 300), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
         assert next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
@@ -266,7 +269,7 @@ def test_norm_backward_with_its_output_added_to_a_residual_stream(norm):
 def test_norm_backward_without_storage_use_count_writes_nothing_in_place(norm, monkeypatch):
     """A torch without ``torch._C._storage_Use_Count`` cannot tell a detached alias apart:
     calibration gives up, and the in-place backward then allocates dx instead of failing."""
-    import liger_kernel.ops.utils as ops_utils
+    import liger_kernel.ops.grad_ownership as ops_utils
 
     monkeypatch.delattr(torch._C, "_storage_Use_Count")
     assert ops_utils._calibrate_owned_grad_references() is None

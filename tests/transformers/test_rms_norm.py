@@ -130,7 +130,7 @@ def test_torch_compile_fullgraph():
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_patched_models_write_norm_gradients_in_place(model_type, monkeypatch):
     """In a patched model each norm with ``in_place=True`` writes dx over dy - the memory the
-    option exists for. The norms' ownership check (``ops.utils.backward_writes_into_grad``)
+    option exists for. The norms' ownership check (``ops.grad_ownership.backward_writes_into_grad``)
     must accept the gradients the model's own ops hand over (a projection's, the fused loss's),
     or training silently allocates one (B, T, H) buffer more per norm. Observed in
     ``rms_norm_backward``, which is told the decision: a hook on the gradient itself would add a

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -49,8 +50,9 @@ class LaunchConfig:
         return ()
 
 
+_NO_OVERRIDES: Mapping[type, Mapping[str, Any]] = types.MappingProxyType({})
 _OVERRIDES: contextvars.ContextVar[Mapping[type, Mapping[str, Any]]] = contextvars.ContextVar(
-    "liger_kernel_launch_config_overrides", default={}
+    "liger_kernel_launch_config_overrides", default=_NO_OVERRIDES
 )
 
 

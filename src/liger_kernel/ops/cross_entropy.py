@@ -52,21 +52,19 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.utils import (
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
+from liger_kernel.ops.launch import (
     cdiv,
-    check_float_dtype,
-    check_same_device,
-    check_tensor,
     is_interpreter,
     launch_kernel,
     liger_custom_op,
     multiprocessor_count,
     next_power_of_2,
     num_programs_for_rows,
-    once_differentiable,
     row_launch_settings,
-    scale_gradient,
 )
+from liger_kernel.ops.scaling import scale_gradient
 
 # Column block of the row loop (a power of two; tests lower it to exercise the multi-block
 # path on small vocabularies). H200, N 8192, V 128256 bf16, in-place forward

@@ -35,6 +35,8 @@ import functools
 
 import torch
 
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
 from liger_kernel.ops.cross_entropy import (
     check_class_weight,
     check_ignore_index,
@@ -43,14 +45,8 @@ from liger_kernel.ops.cross_entropy import (
     mean_denominators,
     start_target_check,
 )
-from liger_kernel.ops.utils import (
-    check_float_dtype,
-    check_same_device,
-    check_tensor,
-    liger_custom_op,
-    once_differentiable,
-    scale_gradient,
-)
+from liger_kernel.ops.launch import liger_custom_op
+from liger_kernel.ops.scaling import scale_gradient
 
 # Bytes of the (C, V) chunk logits buffer (module-level tunables): the larger of
 # FLCE_CHUNK_BUDGET_BYTES and FLCE_CHUNK_FLOOR_FRACTION of the memory floor (the bytes of

@@ -22,6 +22,7 @@ activation and the product in the input dtype (two roundings); the kernel rounds
 
 import torch
 
+from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.swiglu import (
     GATED_OPS,
     GELU_TANH,
@@ -29,7 +30,6 @@ from liger_kernel.ops.swiglu import (
     gated_function_forward,
     make_gated_ops,
 )
-from liger_kernel.ops.utils import once_differentiable
 
 GEGLU_OPS = make_gated_ops("geglu", GELU_TANH)
 GATED_OPS[GELU_TANH] = GEGLU_OPS

@@ -62,19 +62,20 @@ from typing import Tuple
 
 import torch
 
-from liger_kernel.ops.utils import (
-    ROW_NORM_CAST_FP32,
-    ROW_NORM_CAST_LLAMA,
-    ROW_NORM_CAST_NONE,
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import (
     as_rows,
-    backward_writes_into_grad,
     check_float_dtype,
     check_last_dim,
     check_same_device,
     check_tensor,
-    launch_kernel,
-    liger_custom_op,
-    once_differentiable,
+)
+from liger_kernel.ops.grad_ownership import backward_writes_into_grad
+from liger_kernel.ops.launch import launch_kernel, liger_custom_op
+from liger_kernel.ops.row_norm import (
+    ROW_NORM_CAST_FP32,
+    ROW_NORM_CAST_LLAMA,
+    ROW_NORM_CAST_NONE,
     row_norm_backward_kernel,
     row_norm_forward_kernel,
     row_norm_grad_buffers,

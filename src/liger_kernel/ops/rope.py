@@ -52,21 +52,23 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.utils import (
-    MAX_BLOCK,
-    _row_norm_round,
-    cdiv,
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import (
     check_float_dtype,
     check_same_device,
     check_tensor,
     ensure_contiguous_last_dim,
+)
+from liger_kernel.ops.launch import (
+    MAX_BLOCK,
+    cdiv,
     is_interpreter,
     launch_kernel,
     liger_custom_op,
     next_power_of_2,
-    once_differentiable,
     row_launch_settings,
 )
+from liger_kernel.ops.numerics import round_to_dtype
 
 # ---- Tunables (change after GPU measurements) ----
 # Elements of one half-tile (positions x heads x R/2) a program processes per step; the
@@ -82,7 +84,7 @@ ROPE_MAX_BLOCK_HEADS = 8
 def _rope_store(ptrs, y, mask, ROUND_BY_HAND: tl.constexpr):
     dtype = ptrs.dtype.element_ty
     if ROUND_BY_HAND:  # the interpreter truncates fp32 -> bf16; round as the GPU does
-        y = _row_norm_round(y, dtype, True)
+        y = round_to_dtype(y, dtype, True)
     tl.store(ptrs, y.to(dtype), mask=mask)
 
 

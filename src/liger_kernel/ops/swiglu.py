@@ -60,21 +60,18 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.utils import (
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import as_rows, check_float_dtype, check_same_device, check_tensor
+from liger_kernel.ops.launch import (
     MAX_BLOCK,
-    _row_norm_round,
-    as_rows,
     cdiv,
-    check_float_dtype,
-    check_same_device,
-    check_tensor,
     is_interpreter,
     launch_kernel,
     liger_custom_op,
     next_power_of_2,
-    once_differentiable,
     row_launch_settings,
 )
+from liger_kernel.ops.numerics import round_to_dtype
 
 # Values of the ACTIVATION constexpr.
 SILU = 0
@@ -110,7 +107,7 @@ def _gated_activation(a, ACTIVATION: tl.constexpr):
 def _round_for_store(x, dtype: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     # The interpreter truncates fp32 -> bf16; round to nearest even as the GPU does.
     if ROUND_BY_HAND:
-        x = _row_norm_round(x, dtype, True)
+        x = round_to_dtype(x, dtype, True)
     return x.to(dtype)
 
 

@@ -1,0 +1,80 @@
+"""Argument checks shared by the ops. Each raises with the argument's name so errors point at the caller."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from liger_kernel.ops.launch import is_interpreter
+
+SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_tensor(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_float_dtype(x: torch.Tensor, name: str, allowed: Sequence[torch.dtype] = SUPPORTED_FLOAT_DTYPES) -> None:
+    check_tensor(x, name)
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are {names}")
+
+
+def check_same_device(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> torch.device:
+    """All given tensors on one device, and that device usable by Triton.
+
+    Triton kernels need CUDA tensors, except under the interpreter, which runs on CPU
+    tensors. Returns the common device.
+    """
+    device = None
+    first = None
+    for name, t in tensors:
+        if t is None:
+            continue
+        check_tensor(t, name)
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {device}; all tensors must be on one device")
+    if device is None:
+        raise ValueError("no tensor given")
+    if device.type != "cuda" and not is_interpreter():
+        raise ValueError(
+            f"{first} is on {device}: liger_kernel kernels run on CUDA tensors "
+            "(or on CPU tensors with TRITON_INTERPRET=1 set before triton is imported)"
+        )
+    return device
+
+
+def check_last_dim(x: torch.Tensor, size: int, x_name: str, size_name: str) -> None:
+    if x.dim() == 0 or x.shape[-1] != size:
+        raise ValueError(
+            f"{x_name} has shape {tuple(x.shape)}; its last dimension must equal {size_name} = {size}"
+        )
+
+
+def ensure_contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with unit stride in the last dimension; copies only when that is not already so."""
+    if x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1:
+        return x
+    return x.contiguous()
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` of shape (..., H) as (N, H) with unit column stride, copying only if it must.
+
+    N is the product of the leading sizes, given explicitly: a ``-1`` could not be inferred
+    for an empty row (H == 0), and (N, 0) is what the norms' launchers expect there."""
+    x = ensure_contiguous_last_dim(x)
+    if x.dim() == 1:
+        return x.unsqueeze(0)
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        return x.reshape(shape)
