@@ -6,7 +6,7 @@ Builds the ``benchmarks/e2e_training.py`` model (llama-1b shapes, bf16) for each
 Python stack that made it. A sync drains the GPU's queue: the host must then get ahead
 again, and wherever it cannot, the GPU idles (``profile_e2e.py --steady`` shows where).
 
-Usage: ``python scripts/device/sync_points.py [--variants hf,liger]``
+Usage: ``python scripts/sync_points.py [--variants hf,liger]``
 """
 
 import argparse
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.e2e_training import build_config, build_model, make_optimizer, token_batches, train_step  # noqa: E402
 
 

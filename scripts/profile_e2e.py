@@ -18,7 +18,7 @@ host sync between them, so the host may run ahead) under the CUDA-only profiler,
 marker kernel at each phase boundary; reports each phase's GPU span, kernel time and idle
 time (mean over the steps after the first), to ``OUT/steady_<variant>.txt``.
 
-Usage: ``python scripts/device/profile_e2e.py --out OUT [--variants hf,liger] [--host]``
+Usage: ``python scripts/profile_e2e.py --out OUT [--variants hf,liger] [--host]``
 """
 
 import argparse
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.e2e_training import build_config, build_model, make_optimizer, token_batches  # noqa: E402
 
 GIB = 2**30

@@ -6,7 +6,7 @@ is what leaves the GPU idle in a training step whose kernels are short (the llam
 profile: ~11 ms idle per step, all in the forward). Each row is the median over repeats of
 the mean over ``--calls`` calls, in microseconds.
 
-Usage: ``PYTHONPATH=src:. python scripts/device/host_overhead.py --out OUT``
+Usage: ``PYTHONPATH=src:. python scripts/host_overhead.py --out OUT``
 """
 
 from __future__ import annotations
