@@ -4,7 +4,8 @@ Measures the hardware ceilings first (copy bandwidth, matmul rate), then for eac
 target shape from the issues and (without ``--quick``) a sweep of sizes: forward,
 backward and full, median ms, peak extra memory, floor and efficiency. Writes
 ``bench.csv`` (row by row, so an interrupted run keeps what it measured) and ``bench.png``
-(time and memory against size, one column per op) into ``--out``, prints a table and,
+(``benchmarks.plots``: per op, speed-up against HF eager and torch.compile, peak memory, and
+time against size) into ``--out``, prints a table and,
 last, each target with its measured value and PASS/FAIL.
 
 Without CUDA (or with ``--cpu-tiny``) it runs tiny shapes on CPU through Triton's
@@ -164,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.format_table(rows))
     print(f"\nCSV: {csv_path}")
     if not args.no_plots:
-        png = harness.plot_results(rows, specs, out / "bench.png")
+        from benchmarks import plots
+
+        png = plots.plot_rows([r.csv_dict() for r in rows], out / "bench.png")
         if png is not None:
             print(f"plot: {png}")
     print(hw.describe())
