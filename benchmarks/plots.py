@@ -225,6 +225,26 @@ def plot_rows(rows: Sequence[Mapping[str, object]], path: Path) -> Path | None:
     return path
 
 
+def summary_table(rows: Sequence[Mapping[str, object]], label: str = "") -> list[str]:
+    """Markdown rows, one per op at its reference shape, forward + backward: liger's time, its
+    speed-up against HF eager and torch.compile, and the three providers' peak extra memory."""
+    lines = []
+    for op in dict.fromkeys(str(r["op"]) for r in rows):
+        op_rows = [r for r in rows if r["op"] == op]
+        shape = reference_shape(op_rows)
+        if shape is None:
+            continue
+        values = speedups(op_rows, shape)
+        cells = {p: _cell(op_rows, shape, "full", p) for p in PROVIDERS}
+        mib = ["" if c is None or not _ok(c) or math.isnan(_num(c["peak_extra_mib"]))
+               else _mib_text(_num(c["peak_extra_mib"])) for c in cells.values()]
+        liger = cells["liger"]
+        ratio = ["" if math.isnan(values["full", b]) else f"x{values['full', b]:.2f}" for b in PROVIDERS[1:]]
+        lines.append(f"| {OP_LABELS.get(op, op)} | {label} | {shape} | {_num(liger['median_ms']):.3g} | "
+                     f"{ratio[0]} | {ratio[1]} | {' / '.join(mib)} |")
+    return lines
+
+
 def plot_csv(csv_path: Path, png_path: Path) -> Path | None:
     return plot_rows(read_csv(csv_path), png_path)
 
