@@ -9,9 +9,11 @@ One row of panels per op:
 * **time against size** over the op's size sweep, forward + backward, one line per provider,
   with the op's floor (minimum bytes / measured copy bandwidth, or FLOPs / matmul rate) dashed.
 
-``python -m benchmarks`` calls :func:`plot_rows` after a run; to redraw a committed run::
+``python -m benchmarks`` calls :func:`plot_rows` after a run; to redraw a committed run, or
+print the README's results rows from it::
 
     python -m benchmarks.plots benchmarks/results/nvidia-h100/bench.csv benchmarks/results/nvidia-h100/bench.png
+    python -m benchmarks.plots benchmarks/results/nvidia-h100/bench.csv --table H100
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ SIZE_LABELS = {
 GRADIENT_IN_FORWARD = ("cross_entropy", "fused_linear_cross_entropy")
 OP_LABELS = {
     "rms_norm": "RMSNorm", "layer_norm": "LayerNorm", "rope": "RoPE", "swiglu": "SwiGLU", "geglu": "GeGLU",
-    "cross_entropy": "cross entropy", "fused_linear_cross_entropy": "fused linear cross entropy",
+    "cross_entropy": "cross entropy", "fused_linear_cross_entropy": "fused linear CE",
 }
 
 
@@ -245,20 +247,23 @@ def summary_table(rows: Sequence[Mapping[str, object]], label: str = "") -> list
     return lines
 
 
-def plot_csv(csv_path: Path, png_path: Path) -> Path | None:
-    return plot_rows(read_csv(csv_path), png_path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Draw a kernel benchmark CSV (bench.csv) as a PNG.")
+    parser = argparse.ArgumentParser(description="Draw a kernel benchmark CSV (bench.csv) as a PNG, or print "
+                                                 "its summary table (the README's results table).")
     parser.add_argument("csv", type=Path)
-    parser.add_argument("png", type=Path)
+    parser.add_argument("png", type=Path, nargs="?", help="where to draw the plot")
+    parser.add_argument("--table", metavar="GPU", help="print the markdown summary rows, labelled GPU")
     args = parser.parse_args(argv)
-    png = plot_csv(args.csv, args.png)
-    if png is None:
-        print(f"{args.csv}: no measured liger rows, nothing drawn", file=sys.stderr)
-        return 1
-    print(f"plot: {png}")
+    if args.png is None and args.table is None:
+        parser.error("give a PNG path, --table, or both")
+    rows = read_csv(args.csv)
+    if args.table is not None:
+        print("\n".join(summary_table(rows, args.table)))
+    if args.png is not None:
+        if plot_rows(rows, args.png) is None:
+            print(f"{args.csv}: no measured liger rows, nothing drawn", file=sys.stderr)
+            return 1
+        print(f"plot: {args.png}")
     return 0
 
 

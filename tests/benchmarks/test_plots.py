@@ -71,6 +71,16 @@ def test_cli_draws_a_png(tmp_path, capsys):
     assert not (tmp_path / "empty.png").exists()
 
 
+def test_table_rows_carry_the_full_mode_ratios(tmp_path, capsys):
+    path = tmp_path / "bench.csv"
+    _write_csv(path)
+    assert plots.main([str(path), "--table", "GPU-X"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2  # rms_norm and cross_entropy; rope has no measured liger row
+    assert lines[0].startswith("| RMSNorm | GPU-X | N=64 H=96 | 3 | x3.00 | x1.50 | ")
+    assert lines[0].endswith("| 12 / 12 / 12 |")
+
+
 @pytest.mark.parametrize("kind", ["nvidia-h100", "nvidia-h200"])
 def test_committed_runs_have_every_op_and_redraw(kind, tmp_path):
     folder = REPO / "benchmarks" / "results" / kind
