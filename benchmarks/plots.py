@@ -93,6 +93,23 @@ def speedups(rows: Sequence[Mapping[str, object]], shape: str) -> dict[tuple[str
     return out
 
 
+def _log_scale(ax, axis: str = "y") -> None:
+    """Log scale with plain-number labels (0.1, 1, 10; also 2 and 5 within a span under two decades)."""
+    from matplotlib.ticker import FuncFormatter
+
+    getattr(ax, f"set_{axis}scale")("log")
+    low, high = getattr(ax, f"get_{axis}lim")()
+    narrow = high / max(low, 1e-30) < 100
+
+    def minor(v: float, _pos) -> str:
+        mantissa = v / 10 ** math.floor(math.log10(v) + 1e-9)
+        return f"{v:g}" if narrow and round(mantissa) in (2, 5) else ""
+
+    target = getattr(ax, f"{axis}axis")
+    target.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    target.set_minor_formatter(FuncFormatter(minor))
+
+
 def _mib_text(v: float) -> str:
     return f"{v:,.0f}" if v >= 10 else f"{v:.2g}"
 
@@ -105,7 +122,6 @@ def _bar_labels(ax, bars, values: Sequence[float], fmt) -> None:
 
 
 def _speedup_panel(ax, rows, shape: str) -> None:
-    import matplotlib.ticker
     values = speedups(rows, shape)
     width = 0.38
     for i, base in enumerate(PROVIDERS[1:]):
@@ -117,9 +133,8 @@ def _speedup_panel(ax, rows, shape: str) -> None:
     ax.set_xticks(range(len(MODES)), [MODE_LABELS[m] for m in MODES], fontsize=8)
     finite = [v for v in values.values() if not math.isnan(v) and v > 0]
     if finite and max(finite) / min(finite) > 8:
-        ax.set_yscale("log")
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_ylim(min(0.5, min(finite) / 2), max(finite) * 4)
+        _log_scale(ax)
     elif finite:
         ax.set_ylim(0, max(max(finite), 1.0) * 1.2)
     ax.set_ylabel("baseline time / liger time", fontsize=8)
@@ -128,7 +143,6 @@ def _speedup_panel(ax, rows, shape: str) -> None:
 
 
 def _memory_panel(ax, rows, shape: str) -> None:
-    import matplotlib.ticker
     width = 0.27
     plotted = False
     for i, provider in enumerate(PROVIDERS):
@@ -146,14 +160,15 @@ def _memory_panel(ax, rows, shape: str) -> None:
     ax.set_ylabel("peak extra memory (MiB)", fontsize=8)
     if plotted:
         ax.set_yscale("log")
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         low, high = ax.get_ylim()
         ax.set_ylim(low, high * 6)
+        _log_scale(ax)
     else:
         ax.text(0.5, 0.5, "memory not measured (CPU)", ha="center", va="center", transform=ax.transAxes)
 
 
 def _sweep_panel(ax, rows, op: str) -> None:
+    import matplotlib.ticker
     sizes = {_num(r.get("size")) for r in rows if _ok(r)}
     plotted = False
     for provider in PROVIDERS:
@@ -170,12 +185,9 @@ def _sweep_panel(ax, rows, op: str) -> None:
         xs, ys = zip(*floor)
         ax.plot(xs, ys, "--", color="k", lw=1)
     if plotted:
-        from matplotlib.ticker import NullFormatter
-
         ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        _log_scale(ax)
         ax.grid(True, which="both", alpha=0.3)
     ax.set_xlabel(SIZE_LABELS.get(op, "size"), fontsize=8)
     ax.set_ylabel("fwd + bwd time (ms)", fontsize=8)
@@ -208,7 +220,7 @@ def plot_rows(rows: Sequence[Mapping[str, object]], path: Path) -> Path | None:
         if not axes[i][2].get_title():
             axes[i][2].set_title(f"{name}: time against size", fontsize=9)
         for ax in axes[i]:
-            ax.tick_params(labelsize=7)
+            ax.tick_params(which="both", labelsize=7)
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
