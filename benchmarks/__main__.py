@@ -18,7 +18,6 @@ Exit status: 0 when every case ran (targets missed or not), 1 when a case raised
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import re
 import sys
@@ -54,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--providers", type=_csv_choice(PROVIDERS, "provider"), default=PROVIDERS,
                    help="comma list of liger,hf_eager,torch_compile")
     p.add_argument("--out", type=Path, default=None,
-                   help="folder for bench.csv and bench.png (default benchmarks/results/<date>_<device>/)")
+                   help="folder for bench.csv and bench.png (default benchmarks/results/<gpu kind>/)")
     p.add_argument("--cpu-tiny", action="store_true",
                    help="tiny shapes on CPU through the Triton interpreter (automatic without CUDA)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -115,8 +114,12 @@ def load_specs(ops: tuple[str, ...]):
 
 
 def default_out_dir(device_label: str) -> Path:
-    slug = re.sub(r"[^a-z0-9]+", "-", device_label.lower()).strip("-")
-    return RESULTS_DIR / f"{datetime.date.today().isoformat()}_{slug}"
+    """``benchmarks/results/<gpu kind>/``, e.g. ``nvidia-h100`` for "NVIDIA H100 80GB HBM3": the
+    folder that keeps the latest run per GPU kind, so a new run replaces the committed one."""
+    label = device_label.lower()
+    kind = re.match(r"(nvidia|amd)[^a-z0-9]+([a-z]+\d+[a-z]?)", label)
+    slug = f"{kind[1]}-{kind[2]}" if kind else re.sub(r"[^a-z0-9]+", "-", label).strip("-")
+    return RESULTS_DIR / slug
 
 
 def main(argv: list[str] | None = None) -> int:
