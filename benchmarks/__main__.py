@@ -4,7 +4,8 @@ Measures the hardware ceilings first (copy bandwidth, matmul rate), then for eac
 target shape from the issues and (without ``--quick``) a sweep of sizes: forward,
 backward and full, median ms, peak extra memory, floor and efficiency. Writes
 ``bench.csv`` (row by row, so an interrupted run keeps what it measured) and ``bench.png``
-(time and memory against size, one column per op) into ``--out``, prints a table and,
+(``benchmarks.plots``: per op, speed-up against HF eager and torch.compile, peak memory, and
+time against size) into ``--out``, prints a table and,
 last, each target with its measured value and PASS/FAIL.
 
 Without CUDA (or with ``--cpu-tiny``) it runs tiny shapes on CPU through Triton's
@@ -17,7 +18,6 @@ Exit status: 0 when every case ran (targets missed or not), 1 when a case raised
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import re
 import sys
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--providers", type=_csv_choice(PROVIDERS, "provider"), default=PROVIDERS,
                    help="comma list of liger,hf_eager,torch_compile")
     p.add_argument("--out", type=Path, default=None,
-                   help="folder for bench.csv and bench.png (default benchmarks/results/<date>_<device>/)")
+                   help="folder for bench.csv and bench.png (default benchmarks/results/<gpu kind>/)")
     p.add_argument("--cpu-tiny", action="store_true",
                    help="tiny shapes on CPU through the Triton interpreter (automatic without CUDA)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -114,8 +114,12 @@ def load_specs(ops: tuple[str, ...]):
 
 
 def default_out_dir(device_label: str) -> Path:
-    slug = re.sub(r"[^a-z0-9]+", "-", device_label.lower()).strip("-")
-    return RESULTS_DIR / f"{datetime.date.today().isoformat()}_{slug}"
+    """``benchmarks/results/<gpu kind>/``, e.g. ``nvidia-h100`` for "NVIDIA H100 80GB HBM3": the
+    folder that keeps the latest run per GPU kind, so a new run replaces the committed one."""
+    label = device_label.lower()
+    kind = re.match(r"(nvidia|amd)[^a-z0-9]+([a-z]+\d+[a-z]?)", label)
+    slug = f"{kind[1]}-{kind[2]}" if kind else re.sub(r"[^a-z0-9]+", "-", label).strip("-")
+    return RESULTS_DIR / slug
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.format_table(rows))
     print(f"\nCSV: {csv_path}")
     if not args.no_plots:
-        png = harness.plot_results(rows, specs, out / "bench.png")
+        from benchmarks import plots
+
+        png = plots.plot_rows([r.csv_dict() for r in rows], out / "bench.png")
         if png is not None:
             print(f"plot: {png}")
     print(hw.describe())

@@ -69,10 +69,10 @@ DEVICE_DEFAULTS = {
 }
 
 # The GPU default model: "large" (~0.2 B parameters; the control run peaks at ~44 GiB) where the
-# GPU has room, else "base". At base size the patched step is host-bound on the H100 VMs we
-# measured (its GPU drew 340-490 W against the plain step's ~515 W at full clock), so its
-# tokens/s followed the host's speed: x1.01-x1.30 over six runs on four machines; at large the
-# GPU's work dominates (benchmarks/results/2026-12-06d_nvidia-h100/).
+# GPU has room, else "base". At base size the patched step is host-bound on an H100 (its GPU
+# draws 340-490 W against the plain step's ~515 W at full clock), so its tokens/s follow the
+# host's speed (x1.01-x1.30 across machines); at large the GPU's work dominates
+# (docs/performance.md).
 LARGE_MODEL_MIN_GPU_GIB = 56
 
 
@@ -88,11 +88,11 @@ PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 
 # When the curves must agree. Training amplifies any rounding difference: on an H200 (base
 # model, lr 1e-3) plain HF against plain HF with eager instead of sdpa attention - the same
-# math rounded differently - agreed to 2.4e-7 over the first 20 steps in fp32 and then drifted
-# to 3.7e-2 apart by step 96 (benchmarks/results/2026-12-06_nvidia-h200/). Past the first
-# steps the distance between two curves is one sample of a chaotic process, so it cannot be
-# held to a bound: over eleven bf16-mixed GPU runs of correct code the liger drift was
-# 0.72-2.38 times the control's (NOTES.md, run 18). The verdict is therefore two-part, both
+# math rounded differently - agree to 2.4e-7 over the first 20 steps in fp32 and then drift
+# to 3.7e-2 apart by step 96. Past the first steps the distance between two curves is one
+# sample of a chaotic process, so it cannot be held to a bound: over eleven bf16-mixed GPU
+# runs of correct code the liger drift was 0.72-2.38 times the control's
+# (docs/performance.md). The verdict is therefore two-part, both
 # parts deterministic up to rounding:
 # 1. Exactness, per step over the first EARLY_STEPS steps, before the drift (over every step
 #    when there is no control run): |plain - liger| <= LOSS_RTOL * loss. fp32: rounding order

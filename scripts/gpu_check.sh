@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a GPU machine checks everything and leaves few files in OUT_DIR:
+# The one GPU check: the test suite with full shapes, the kernel benchmarks and the end-to-end
+# training benchmark, in one call, leaving few files in OUT_DIR:
 #   env.txt    nvidia-smi, versions, how liger_kernel was made importable
 #   tests.log  junit.xml   the whole test suite with the full (GPU) shape set
 #   bench.csv  bench.png   python -m benchmarks (every op, provider and mode)
@@ -7,7 +8,7 @@
 #   (e2e_training.py writes its own CSV/PNG into OUT_DIR when it exists)
 # A failing stage is recorded and the next one still runs; a summary is printed last.
 #
-# Usage: scripts/gpu_check.sh OUT_DIR
+# Usage: scripts/gpu_check.sh [OUT_DIR]   (default: $OUT)
 # Environment:
 #   GPU_CHECK_TESTS=0|1 (1)   GPU_CHECK_BENCH=0|1 (1)   GPU_CHECK_E2E=0|1 (1)
 #   PYTEST_ARGS   extra pytest arguments, e.g. "-x" or "-k rms_norm"
@@ -23,10 +24,10 @@
 #                 write their table. With all stages on, later stages get a reserve
 #                 (bench 330 s, e2e 150 s); run stages in separate calls for more room.
 set -u
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+out=${1:-${OUT:?usage: scripts/gpu_check.sh OUT_DIR (or set OUT)}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 root=$(pwd)
 PY=${PY:-python3}
 run_tests=${GPU_CHECK_TESTS:-1}
@@ -218,6 +219,6 @@ if [ "$run_e2e" = 1 ]; then
   awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" | tail -15
 fi
 n_files=$(find "$out" -type f | wc -l)
-echo "files in $out ($n_files):" $(cd "$out" && ls)
+echo "files in $out ($n_files): $(find "$out" -type f -printf '%P ')"
 [ "$n_files" -le 8 ] || echo "WARNING: more than 8 files; the device tool returns at most 8"
 exit $status

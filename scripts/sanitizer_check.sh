@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the reduced GPU workload under compute-sanitizer memcheck and racecheck.
+# Runs the reduced GPU workload under compute-sanitizer memcheck and racecheck.
 # Usage: scripts/sanitizer_check.sh OUT_DIR   (on a CUDA machine)
 # SANITIZER_TOOLS (default "memcheck racecheck") picks the tools. Each tool's full log is
 # OUT_DIR/sanitizer_<tool>.log; sanitizer.txt gets the summaries and, for every reported
@@ -7,10 +7,10 @@
 set -u
 out=${1:?usage: scripts/sanitizer_check.sh OUT_DIR}
 mkdir -p "$out"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=${PYTHONPATH:-}:src PYTORCH_NO_CUDA_MEMORY_CACHING=1
 # PATH, the system CUDA toolkits, then CUDA pip wheels (nvidia-*/cuda-toolkit ship it under site-packages).
-sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+sanitizer=$(command -v compute-sanitizer || find /usr/local/cuda*/bin -name compute-sanitizer 2>/dev/null | head -1)
 if [ -z "$sanitizer" ]; then
   sanitizer=$(find /usr /opt "$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)" \
     -name compute-sanitizer -type f -perm -u+x 2>/dev/null | head -1)

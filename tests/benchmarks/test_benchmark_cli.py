@@ -216,3 +216,11 @@ def test_target_checks():
     nan_row = row("liger", 1.0, math.nan)
     assert T("full", "peak_vs", "hf_eager").check(nan_row, others)[1] is None
     assert T("full", "time_vs", "torch_compile").check(liger, {"liger": liger})[1] is None
+
+
+@pytest.mark.parametrize("label, folder", [("NVIDIA H100 80GB HBM3", "nvidia-h100"), ("NVIDIA H200", "nvidia-h200"),
+                                           ("NVIDIA A100-SXM4-80GB", "nvidia-a100"),
+                                           ("cpu-interpreter", "cpu-interpreter")])
+def test_default_out_dir_is_one_folder_per_gpu_kind(label, folder):
+    """A run replaces the committed latest run of its GPU kind (benchmarks/results/<kind>/)."""
+    assert cli.default_out_dir(label) == REPO / "benchmarks" / "results" / folder
