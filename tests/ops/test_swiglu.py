@@ -121,29 +121,99 @@ def _temporaries(shape, dtype):
     return x, y, x * 1, y * 1
 
 
+def record_gradient_memory(*tensors):
+    """For each non-leaf tensor: a dict that gets its data pointer now and, during backward, the
+    data pointer of the gradient its producer receives for it. Keeps no reference to the tensors
+    (holding one is what makes the in-place backward refuse), so ``grad_ptr == ptr`` shows that
+    the gradient was written over the activation itself."""
+    records = []
+    for t in tensors:
+        record = {"ptr": t.data_ptr()}
+        index = t.output_nr
+
+        def prehook(grad_outputs, record=record, index=index):
+            record["grad_ptr"] = grad_outputs[index].data_ptr()
+
+        t.grad_fn.register_prehook(prehook)
+        records.append(record)
+    return records
+
+
+def wrote_in_place(records):
+    return [r["grad_ptr"] == r["ptr"] for r in records]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_backward_writes_into_the_temporaries(dtype):
     shape = (3, 37)
     x, y, a, b = _temporaries(shape, dtype)
     dh = torch.randn(shape, device=DEVICE, dtype=dtype)
-    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
-    # The gradients are exact (same kernel as the fresh-output path) ...
+    records = record_gradient_memory(a, b)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b  # nobody but the graph holds them: the backward may write into them
+    h.backward(dh)
+    # The gradients live in a's and b's memory (no new buffers) ...
+    assert wrote_in_place(records) == [True, True]
+    # ... and are exact (same kernel as the fresh-output path).
     _, da, db = gated_run(LigerSiLUMulFunction.apply, x, y, dh, False)
     assert torch.equal(x.grad, da) and torch.equal(y.grad, db)
-    # ... and live in a's and b's storage: the backward allocated no new buffers.
-    assert torch.equal(a.detach(), da) and torch.equal(b.detach(), db)
 
 
 def test_in_place_backward_into_fused_halves():
     fused_leaf, _ = fused_halves((2, 5), 37, torch.float32, requires_grad=True)
-    fused = fused_leaf * 1
-    a, b = fused.chunk(2, dim=-1)
+    a, b = (fused_leaf * 1).chunk(2, dim=-1)
+    records = record_gradient_memory(a, b)
     dh = torch.randn(2, 5, 37, device=DEVICE)
-    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b
+    h.backward(dh)
+    assert wrote_in_place(records) == [True, True]  # both halves were overwritten in place
     ref_leaf = fused_leaf.detach().clone().requires_grad_(True)
     LigerSiLUMulFunction.apply(*ref_leaf.chunk(2, dim=-1)).backward(dh)
     assert torch.equal(fused_leaf.grad, ref_leaf.grad)
-    assert torch.equal(fused.detach(), ref_leaf.grad)  # both halves were overwritten in place
+
+
+KEEPERS = {
+    "tensor": lambda t: t,
+    "detach": lambda t: t.detach(),
+    "data": lambda t: t.data,
+}
+
+
+def check_kept_activation_survives(function, exact_fn, keep, fused):
+    """A user who kept the gate (or the fused gate/up output), itself or a detached alias, finds
+    its values unchanged after backward (the backward writes fresh gradients instead), and the
+    gradients are right."""
+    x = torch.randn(3, 2 * 37 if fused else 37, device=DEVICE, requires_grad=True)
+    y = torch.randn(3, 37, device=DEVICE, requires_grad=True)
+    dh = torch.randn(3, 37, device=DEVICE)
+    if fused:
+        whole = x * 1
+        kept = KEEPERS[keep](whole)
+        a, b = whole.chunk(2, dim=-1)
+        del whole
+    else:
+        a, b = x * 1, y * 1
+        kept = KEEPERS[keep](a)
+    before = kept.detach().clone()
+    records = record_gradient_memory(a, b)
+    h = function.apply(a, b, True)
+    del a, b
+    h.backward(dh)
+    assert torch.equal(kept, before)
+    assert wrote_in_place(records) == [False, False]  # one refusal covers the pair
+    ref_x = x.detach().double().requires_grad_(True)
+    ref_y = y.detach().double().requires_grad_(True)
+    exact_fn(*(ref_x.chunk(2, dim=-1) if fused else (ref_x, ref_y))).backward(dh.double())
+    assert_close(x.grad, ref_x.grad)
+    if not fused:
+        assert_close(y.grad, ref_y.grad)
+
+
+@pytest.mark.parametrize("keep", list(KEEPERS))
+@pytest.mark.parametrize("fused", [False, True])
+def test_in_place_keeps_an_activation_someone_holds(keep, fused):
+    check_kept_activation_survives(LigerSiLUMulFunction, exact_swiglu, keep, fused)
 
 
 def test_in_place_falls_back_when_unsafe():
@@ -208,6 +278,7 @@ def test_in_place_never_writes_into_views_of_a_leaf(how):
 def test_in_place_backward_twice_fails_loudly():
     _, _, a, b = _temporaries((3, 8), torch.float32)
     h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b
     h.backward(torch.ones_like(h), retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         h.backward(torch.ones_like(h))
@@ -299,9 +370,8 @@ def _down_proj_leaves(lead, inter, out, dtype, bias):
 
 def _run_down_proj(fn, a, b, w, bb, dy):
     leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (a, b, w, bb)]
-    # a and b as non-leaf temporaries (as in an MLP), so the in-place path can engage.
-    a_in, b_in = leaves[0] * 1, leaves[1] * 1
-    y = fn(a_in, b_in, leaves[2], leaves[3])
+    # a and b as non-leaf temporaries nobody else holds (as in an MLP), so the in-place path can engage.
+    y = fn(leaves[0] * 1, leaves[1] * 1, leaves[2], leaves[3])
     y.backward(dy)
     return [y.detach()] + [t.grad for t in leaves if t is not None]
 
