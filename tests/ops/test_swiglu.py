@@ -503,3 +503,78 @@ def test_gated_down_proj_bad_arguments():
         LigerGatedDownProjFunction.apply(a, b, w, None, 7, False)
     with pytest.raises(ValueError, match="shape"):
         LigerGatedDownProjFunction.apply(a, b[:, :4], w, None, SILU, False)
+
+
+# ---- Outputs as ordinary tensors, meta inputs, launch configurations ----
+
+from liger_kernel.ops.config import override_launch_config  # noqa: E402
+from liger_kernel.ops.swiglu import GatedActivationConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("activation", [SILU, GELU_TANH])
+@pytest.mark.parametrize("edit", ["mul_", "dropout"])
+def test_output_may_be_edited_in_place(activation, edit):
+    """h is an ordinary tensor, not a view of a private buffer: ``h.mul_(2)`` and
+    ``F.dropout(h, inplace=True)`` work forward and backward with the reference's values."""
+    a, b, dh = make_inputs((3, 2, 37), torch.float32)
+
+    def edited(fn):
+        def run(a, b):
+            h = fn(a, b)
+            if edit == "mul_":
+                return h.mul_(2.0)
+            torch.manual_seed(7)
+            return F.dropout(h, p=0.5, training=True, inplace=True)
+
+        return run
+
+    got = gated_run(edited(_GATED_FUNCTIONS[activation].apply), a, b, dh)
+    want = gated_run(edited(lambda a, b: _ACTIVATIONS[activation](a) * b), a.double(), b.double(), dh.double())
+    for x, y in zip(got, want):
+        assert_close(x, y.float(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("activation", [SILU, GELU_TANH])
+@pytest.mark.parametrize("fused_down", [False, True])
+def test_meta_inputs_give_meta_outputs(activation, fused_down):
+    a = torch.empty(2, 3, 37, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.empty(2, 3, 37, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    if fused_down:
+        w = torch.empty(5, 37, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        out = LigerGatedDownProjFunction.apply(a * 1, b * 1, w, None, activation, True)
+        assert out.is_meta and out.shape == (2, 3, 5) and out.dtype == torch.bfloat16
+    else:
+        out = _GATED_FUNCTIONS[activation].apply(a * 1, b * 1, True)
+        assert out.is_meta and out.shape == a.shape and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert a.grad.is_meta and a.grad.shape == a.shape and b.grad.shape == b.shape
+
+
+def test_launch_config_override_changes_the_geometry_not_the_result():
+    """An override of GatedActivationConfig reaches the launch (two column tiles instead of
+    one) and the results are the heuristic's, bit for bit."""
+    from liger_kernel.ops.swiglu import _launch_geometry
+
+    default, _ = _launch_geometry(64, 1000)
+    assert default == GatedActivationConfig.heuristic(64, 1000) and default.block_cols == 1024
+    a, b, dh = make_inputs((6, 1000), torch.float32)
+    want = gated_run(LigerSiLUMulFunction.apply, a, b, dh)
+    with override_launch_config(GatedActivationConfig, block_cols=256, block_rows=2):
+        narrow, n_tiles = _launch_geometry(64, 1000)
+        assert (narrow.block_rows, narrow.block_cols, n_tiles) == (2, 256, 32 * 4)
+        got = gated_run(LigerSiLUMulFunction.apply, a, b, dh)
+    assert _launch_geometry(64, 1000)[0] == default  # the override ends with the block
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+def test_gated_config_heuristic_and_search_space():
+    # Tiles of 4096 elements with column blocks up to 1024: 4 rows of a 1000-wide problem.
+    config = GatedActivationConfig.heuristic(4096, 1000)
+    assert (config.block_rows, config.block_cols) == (4, 1024)
+    assert GatedActivationConfig.heuristic(4096, 1000) is config  # memoised per shape
+    assert GatedActivationConfig.heuristic(2, 14336).block_rows == 2  # never more rows than the problem
+    space = GatedActivationConfig.search_space(4096, 14336)
+    assert config in GatedActivationConfig.search_space(4096, 1000) and len(set(space)) == len(space) > 1
+    with pytest.raises(ValueError, match="power of two"):
+        GatedActivationConfig(3, 256, 4)
