@@ -121,7 +121,7 @@ def test_outputs_scaled_in_place_as_hf(unsqueeze_dim):
     cos, sin = rotary.to(DEVICE)(q0, torch.arange(seq, device=DEVICE)[None].expand(batch, -1))
     results = []
     for fn, dtype in ((liger_rotary_pos_emb, torch.float32), (hf_fn, torch.float64)):
-        q, k = (t.to(dtype).requires_grad_(True) for t in (q0, k0))
+        q, k = (t.detach().to(dtype).requires_grad_(True) for t in (q0, k0))
         q_embed, k_embed = fn(q, k, cos.to(dtype), sin.to(dtype), unsqueeze_dim=unsqueeze_dim)
         q_embed *= head_dim**-0.5
         k_embed.add_(1.0)
