@@ -21,8 +21,8 @@ from liger_kernel.ops.geglu import LigerGELUMulFunction
 from tests.ops.test_swiglu import (
     KEEPERS,
     check_against_reference,
-    check_kept_activation_survives,
     check_in_place_leaves_user_tensor,
+    check_kept_activation_survives,
     fused_halves,
     gated_reference,
     gated_run,
