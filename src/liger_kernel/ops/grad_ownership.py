@@ -169,10 +169,11 @@ def _saved_pair_counts(a: torch.Tensor, b: torch.Tensor) -> tuple[tuple[int, int
     return tuple(counts)
 
 
-def saved_activations_are_private(ctx) -> bool:
-    """Whether a backward may overwrite the first two tensors ``ctx`` saved (a gate and an up
-    activation). Call it before unpacking ``ctx.saved_tensors`` anywhere else: it unpacks them
-    itself, so that the references it counts do not depend on the caller.
+def unpack_private_activations(ctx) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(ctx.saved_tensors, private)``: private says whether a backward may overwrite the first
+    two saved tensors (a gate and an up activation). Use it instead of ``ctx.saved_tensors``
+    (which may be unpacked only once under activation checkpointing); it unpacks them itself,
+    so that the references it counts do not depend on the caller.
 
     True only where each has no more Python references than an activation nobody kept, the
     tensor each views (a fused projection's output) none either, and each storage no user
@@ -189,18 +190,18 @@ def saved_activations_are_private(ctx) -> bool:
     a, b = saved[0], saved[1]
     if _SAVED_CALIBRATION_COUNTS is not None:
         _SAVED_CALIBRATION_COUNTS.append(_saved_pair_counts(a, b))
-        return False
+        return saved, False
     limits = _PRIVATE_SAVED_COUNTS
     if limits is None or a.is_meta or b.is_meta:
-        return False
+        return saved, False
     max_refs, max_base_refs, max_extra_users = limits
-    return all(refs <= max_refs and base_refs <= max_base_refs and users <= max_extra_users
-               for refs, base_refs, users in _saved_pair_counts(a, b))
+    return saved, all(refs <= max_refs and base_refs <= max_base_refs and users <= max_extra_users
+                      for refs, base_refs, users in _saved_pair_counts(a, b))
 
 
 class _SavedActivationProbe(torch.autograd.Function):
     """Calibration of _PRIVATE_SAVED_COUNTS: ``y = a * b`` whose backward unpacks ``a`` and ``b``
-    and asks saved_activations_are_private exactly as the gated activations' backward does."""
+    and asks unpack_private_activations exactly as the gated activations' backward does."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -210,13 +211,12 @@ class _SavedActivationProbe(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
-        saved_activations_are_private(ctx)
-        a, b = ctx.saved_tensors
+        (a, b), _ = unpack_private_activations(ctx)
         return grad_output * b, grad_output * a
 
 
 def _calibrate_private_saved_counts(device: str = "cpu") -> tuple[int, int, int] | None:
-    """Counts of :func:`saved_activations_are_private` for two fresh activations and for the two
+    """Counts of :func:`unpack_private_activations` for two fresh activations and for the two
     halves of one (None where they cannot be measured or disagree with the tensors built)."""
     global _SAVED_CALIBRATION_COUNTS
     if sys.implementation.name != "cpython" or not getattr(sys, "_is_gil_enabled", lambda: True)():

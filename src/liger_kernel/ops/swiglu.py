@@ -47,7 +47,7 @@ falls back to fresh outputs when it cannot prove the write safe: ``a`` or ``b`` 
 functionalisation would copy anyway), or - decided in the backward - anything but the
 graph still refers to their memory: a forward hook on ``gate_proj``/``up_proj`` that kept
 the activation, ``.detach()`` or ``.data`` of it, or the fused projection it is a half of
-(:func:`liger_kernel.ops.grad_ownership.saved_activations_are_private`). Such a refusal
+(:func:`liger_kernel.ops.grad_ownership.unpack_private_activations`). Such a refusal
 costs two fresh (N, I) gradients while the backward runs. After writing, the version
 counters of ``a`` and ``b`` are bumped, so a second backward through the same graph
 (``retain_graph=True``) fails loudly in autograd instead of reading the overwritten values.
@@ -71,7 +71,7 @@ import triton.language as tl
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import as_rows, check_float_dtype, check_same_device, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
-from liger_kernel.ops.grad_ownership import saved_activations_are_private
+from liger_kernel.ops.grad_ownership import unpack_private_activations
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
     cdiv,
@@ -431,12 +431,14 @@ def gated_function_forward(ctx, ops: SimpleNamespace, a: torch.Tensor, b: torch.
     return ops.forward(a, b)
 
 
-def _writes_in_place(ctx) -> bool:
-    """Whether the backward writes da/db over the saved ``a``/``b``: asked for, safe in layout
-    (checked in the forward) and, now, nobody else holding their memory (a hook that kept the
-    gate or up activation, also as ``.detach()``/``.data``). Call it before unpacking
-    ``ctx.saved_tensors``, whose references it counts."""
-    return ctx.in_place and not torch.compiler.is_compiling() and saved_activations_are_private(ctx)
+def _unpack_saved(ctx) -> Tuple[Tuple[torch.Tensor, ...], bool]:
+    """``(ctx.saved_tensors, in_place)``: whether the backward writes da/db over the saved
+    ``a``/``b``: asked for, safe in layout (checked in the forward) and, now, nobody else
+    holding their memory (a hook that kept the gate or up activation, also as
+    ``.detach()``/``.data``)."""
+    if ctx.in_place and not torch.compiler.is_compiling():
+        return unpack_private_activations(ctx)
+    return ctx.saved_tensors, False
 
 
 def _mark_overwritten(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -447,9 +449,8 @@ def _mark_overwritten(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, t
 
 
 def gated_function_backward(ctx, ops: SimpleNamespace, grad_h: torch.Tensor):
-    """Shared body of the backward: ``(da, db)``, written over a and b where :func:`_writes_in_place`."""
-    in_place = _writes_in_place(ctx)
-    a, b = ctx.saved_tensors
+    """Shared body of the backward: ``(da, db)``, written over a and b where :func:`_unpack_saved` allows."""
+    (a, b), in_place = _unpack_saved(ctx)
     if in_place:
         ops.backward_inplace(grad_h, a, b)
         return _mark_overwritten(a, b)
@@ -534,8 +535,7 @@ class LigerGatedDownProjFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
-        in_place = _writes_in_place(ctx)
-        a, b, weight, bias = ctx.saved_tensors
+        (a, b, weight, bias), in_place = _unpack_saved(ctx)
         ops = GATED_OPS[ctx.activation]
         n_out = weight.shape[0]
         dy = grad_y.reshape(-1, n_out)
