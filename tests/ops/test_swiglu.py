@@ -20,7 +20,7 @@ from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 from tests.utils import DEVICE, assert_close, rel_error, shapes
 
 # Full leading shapes (..., I): one row, a ragged number of rows, a 3-D input, a hidden size
-# that spans two column tiles (GATED_MAX_BLOCK_COLS = 1024) with a ragged second one.
+# that spans two column tiles (GatedActivationConfig.MAX_BLOCK_COLS = 1024) with a ragged second one.
 SHAPES = shapes(
     small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (2, 3, 37), (3, 1100)],
     full=[(rows, hidden) for rows in (1, 3, 1007) for hidden in (1, 123, 4231)] + [(4, 512, 14336)],
