@@ -578,3 +578,58 @@ def test_gated_config_heuristic_and_search_space():
     assert config in GatedActivationConfig.search_space(4096, 1000) and len(set(space)) == len(space) > 1
     with pytest.raises(ValueError, match="power of two"):
         GatedActivationConfig(3, 256, 4)
+
+
+def _record_in_place_decisions(monkeypatch):
+    """The in-place decisions of the gated backwards, in call order (the wrapper holds no
+    tensor before the check, so it does not change what the check counts)."""
+    import liger_kernel.ops.swiglu as swiglu_ops
+
+    decisions = []
+    unpack = swiglu_ops.unpack_private_activations
+
+    def recording(ctx):
+        saved, private = unpack(ctx)
+        decisions.append(private)
+        return saved, private
+
+    monkeypatch.setattr(swiglu_ops, "unpack_private_activations", recording)
+    return decisions
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_in_place_backward_under_activation_checkpointing(monkeypatch, use_reentrant):
+    """Checkpointed layers (recomputed in backward) keep the saving: the recomputed activations
+    are held by nobody else either."""
+    from torch.utils.checkpoint import checkpoint
+
+    decisions = _record_in_place_decisions(monkeypatch)
+    x = torch.randn(4, 18, device=DEVICE, requires_grad=True)
+    y = checkpoint(lambda x: LigerSiLUMulFunction.apply(*(x * 1).chunk(2, -1), True), x, use_reentrant=use_reentrant)
+    y.sum().backward()
+    assert decisions == [True]
+    ref = x.detach().double().requires_grad_(True)
+    exact_swiglu(*ref.chunk(2, -1)).sum().backward()
+    assert_close(x.grad, ref.grad)
+
+
+def test_nothing_is_written_in_place_without_a_calibration(monkeypatch):
+    """Where the counts could not be measured at import (another interpreter, no storage use
+    count), the backward never writes into the activations."""
+    import liger_kernel.ops.grad_ownership as ownership
+
+    monkeypatch.setattr(ownership, "_PRIVATE_SAVED_COUNTS", None)
+    x, y, a, b = _temporaries((3, 37), torch.float32)
+    records = record_gradient_memory(a, b)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b
+    h.backward(torch.ones_like(h))
+    assert wrote_in_place(records) == [False, False]
+
+
+def test_calibration_measured_the_activations():
+    """On this torch the counts are measured, so the in-place saving is available."""
+    import liger_kernel.ops.grad_ownership as ownership
+
+    assert ownership._PRIVATE_SAVED_COUNTS is not None
+    assert ownership._calibrate_private_saved_counts() == ownership._PRIVATE_SAVED_COUNTS
