@@ -1,8 +1,9 @@
 """``python -m benchmarks.tune``: sweep the kernels' launch tunables at the target shapes.
 
-Each op module keeps its launch heuristics as module-level constants (``CE_PROGRAMS_PER_SM``,
-``FLCE_CHUNK_BUDGET_BYTES``, ``ROW_NORM_*``, ``ROPE_*``). This script sets each candidate
-value in turn, times the Liger op (forward + backward, median, L2 flushed) with the same
+Each op's launch parameters are module-level constants (``CE_PROGRAMS_PER_SM``,
+``FLCE_CHUNK_BUDGET_BYTES``, ``ROW_NORM_*``) or a frozen ``LaunchConfig`` whose
+``search_space`` proposes the candidates (RoPE, the gated activations). This script applies
+each candidate in turn (``override_launch_config`` for configurations), times the Liger op (forward + backward, median, L2 flushed) with the same
 harness as ``python -m benchmarks``, records peak extra memory, and writes ``tune.csv``
 with one row per (op, setting). The numbers decide the committed defaults; the tunables
 change the schedule only, never the result (the test suite checks several of them).
@@ -16,7 +17,9 @@ GPU only. Results are evidence for a default, not a test: nothing here gates CI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import dataclasses
 import functools
 import itertools
 import sys
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import bench_cross_entropy, bench_norms, bench_rope
+from benchmarks import bench_cross_entropy, bench_gated_mlp, bench_norms, bench_rope
 from benchmarks.harness import (
     MIB,
     TimingConfig,
@@ -37,6 +40,7 @@ from benchmarks.harness import (
     restorers,
     time_ms,
 )
+from liger_kernel.ops.config import LaunchConfig, override_launch_config
 
 
 def _set(module: Any, values: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +48,26 @@ def _set(module: Any, values: dict[str, Any]) -> dict[str, Any]:
     for name, value in values.items():
         setattr(module, name, value)
     return old
+
+
+@contextlib.contextmanager
+def _applied(target: Any, setting: dict[str, Any]):
+    """``setting`` in force within the block: fields of a LaunchConfig class (through
+    ``override_launch_config``) or attributes of a module."""
+    if isinstance(target, type) and issubclass(target, LaunchConfig):
+        with override_launch_config(target, **setting):
+            yield
+        return
+    old = _set(target, setting)
+    try:
+        yield
+    finally:
+        _set(target, old)
+
+
+def _config_candidates(config_cls: type[LaunchConfig], *problem: int) -> list[dict[str, Any]]:
+    """The fields of each configuration ``config_cls.search_space(*problem)`` proposes."""
+    return [dataclasses.asdict(config) for config in config_cls.search_space(*problem)]
 
 
 def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.device,
@@ -76,16 +100,14 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[st
         if time.perf_counter() > deadline:
             print(f"{name}: time limit reached, rest skipped", flush=True)
             break
-        old = _set(module, setting)
         try:
-            ms, peak = _measure(spec, shape, dtype, device, cfg, mode)
+            with _applied(module, setting):
+                ms, peak = _measure(spec, shape, dtype, device, cfg, mode)
             status = "ok"
         except torch.OutOfMemoryError:
             ms, peak, status = float("nan"), float("nan"), "oom"
         except Exception as exc:  # a setting may exceed a resource limit; record, go on
             ms, peak, status = float("nan"), float("nan"), f"error: {type(exc).__name__}: {str(exc)[:120]}"
-        finally:
-            _set(module, old)
         text = " ".join(f"{k}={v}" for k, v in setting.items())
         if mode != "full":
             text = f"[{mode}] {text}"
@@ -94,7 +116,8 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[st
                          "status": status})
         if status == "ok" and (best is None or ms < best[0]):
             best = (ms, setting)
-    return None if best is None else {f"{module.__name__}.{k}": v for k, v in best[1].items()}
+    prefix = f"{module.__module__}.{module.__qualname__}" if isinstance(module, type) else module.__name__
+    return None if best is None else {f"{prefix}.{k}": v for k, v in best[1].items()}
 
 
 def _time_component(fn: Callable[[], Any], device: torch.device, cfg: TimingConfig) -> float:
@@ -224,12 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
                                               "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_looped,norm_forward_warps,norm_forward_rows,layer_norm_forward,"
-                                              "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope "
+                                              "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope,swiglu,geglu "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
     p.add_argument("--emit-best", type=Path, default=None,
                    help="write the fastest setting of each swept op (except the fused linear cross entropy, "
-                        "whose chunk size trades time for memory) as MODULE.NAME=VALUE lines, for "
+                        "whose chunk size trades time for memory, and the ops with a LaunchConfig, whose "
+                        "winner is a per-shape geometry) as MODULE.NAME=VALUE lines, for "
                         "`python -m benchmarks --set`")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -237,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import liger_kernel.ops.cross_entropy as ce_ops
     import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
-    import liger_kernel.ops.rope as rope_ops
     import liger_kernel.ops.row_norm as ops_utils
+    from liger_kernel.ops.rope import RopeConfig
+    from liger_kernel.ops.swiglu import GatedActivationConfig
 
     device = torch.device("cuda")
     dtype = torch.bfloat16
@@ -246,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = measure_hardware(device, cfg)
     print(hw.describe(), flush=True)
     only = {s for s in args.only.split(",") if s}
-    specs = {s.name: s for m in (bench_norms, bench_rope, bench_cross_entropy) for s in m.SPECS}
+    specs = {s.name: s for m in (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy) for s in m.SPECS}
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.max_seconds
     with open(args.out / "tune.csv", "w", newline="") as f:
@@ -378,10 +403,16 @@ def main(argv: list[str] | None = None) -> int:
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("rope"):
             spec = specs["rope"]
-            bests["rope"] = _sweep("rope", rope_ops, {
-                "ROPE_TILE_ELEMENTS": (2048, 4096, 8192, 16384),
-                "ROPE_MAX_BLOCK_HEADS": (8, 32, 64),
-            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+            shape = spec.gpu_shapes[0]
+            candidates = _config_candidates(RopeConfig, shape["T"], shape["Hq"], shape["Hk"], shape["D"] // 2)
+            bests["rope"] = _sweep("rope", RopeConfig, candidates, spec, shape, dtype, device, cfg, writer, deadline)
+        for op in ("swiglu", "geglu"):
+            if want(op):
+                spec = specs[op]
+                shape = spec.gpu_shapes[0]
+                candidates = _config_candidates(GatedActivationConfig, shape["N"], shape["H"])
+                bests[op] = _sweep(op, GatedActivationConfig, candidates, spec, shape, dtype, device, cfg, writer,
+                                   deadline)
         if want("flce_loss_kernel"):
             flce_chunk_loss_kernel([
                 *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
@@ -402,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.emit_best is not None:
         # rms_norm and layer_norm share the ROW_NORM_* tunables: RMSNorm's sweep decides them.
         lines = {}
-        for op in ("layer_norm", "rms_norm", "cross_entropy", "rope"):
+        # RoPE's and the gated activations' winners are launch geometries for the swept shape,
+        # not values for ``--set``: they are printed above and belong in the heuristic.
+        for op in ("layer_norm", "rms_norm", "cross_entropy"):
             lines.update(bests.get(op) or {})
         args.emit_best.write_text("".join(f"{k}={v!r}\n" for k, v in lines.items()))
         print("best: " + ", ".join(f"{k}={v!r}" for k, v in lines.items()))

@@ -49,8 +49,9 @@ def _cases(cols: int) -> dict[str, tuple]:
 
     gated_signature = {"A": _POINTER, "B": _POINTER, "H": _POINTER, "n_rows": "i32", "n_cols": "i32",
                        "a_row_stride": "i32", "b_row_stride": "i32", "h_row_stride": "i32"}
-    gated_rows, gated_cols, _, _ = swiglu._launch_geometry(16384, cols)
-    gated = {"ACTIVATION": 0, "BLOCK_ROWS": gated_rows, "BLOCK_COLS": gated_cols, "ROUND_BY_HAND": False}
+    gated_launch = swiglu.GatedActivationConfig.heuristic(16384, cols)
+    gated = {"ACTIVATION": 0, "BLOCK_ROWS": gated_launch.block_rows, "BLOCK_COLS": gated_launch.block_cols,
+             "ROUND_BY_HAND": False}
     return {
         "rms_norm_forward": (utils.row_norm_forward_kernel, norm_signature, norm(False), norm_divisible),
         "layer_norm_forward": (utils.row_norm_forward_kernel, norm_signature, norm(True), norm_divisible),

@@ -19,12 +19,16 @@ from hypothesis import strategies as st
 
 from liger_kernel.ops.geglu import LigerGELUMulFunction
 from tests.ops.test_swiglu import (
+    KEEPERS,
     check_against_reference,
     check_in_place_leaves_user_tensor,
+    check_kept_activation_survives,
     fused_halves,
     gated_reference,
     gated_run,
     make_inputs,
+    record_gradient_memory,
+    wrote_in_place,
 )
 from tests.utils import DEVICE, assert_close, shapes
 
@@ -71,13 +75,21 @@ def test_saturated_inputs_have_exact_limits():
 
 def test_in_place_backward_into_fused_halves():
     fused_leaf, _ = fused_halves((3, 4), 21, torch.bfloat16, requires_grad=True)
-    fused = fused_leaf * 1
+    a, b = (fused_leaf * 1).chunk(2, dim=-1)
+    records = record_gradient_memory(a, b)
     dh = torch.randn(3, 4, 21, device=DEVICE).bfloat16()
-    LigerGELUMulFunction.apply(*fused.chunk(2, dim=-1), True).backward(dh)
+    h = LigerGELUMulFunction.apply(a, b, True)
+    del a, b
+    h.backward(dh)
+    assert wrote_in_place(records) == [True, True]
     ref_leaf = fused_leaf.detach().double().requires_grad_(True)
     exact_geglu(*ref_leaf.chunk(2, dim=-1)).backward(dh.double())
     assert_close(fused_leaf.grad, ref_leaf.grad, dtype=torch.bfloat16)
-    assert torch.equal(fused.detach(), fused_leaf.grad)
+
+
+@pytest.mark.parametrize("keep", list(KEEPERS))
+def test_in_place_keeps_an_activation_someone_holds(keep):
+    check_kept_activation_survives(LigerGELUMulFunction, exact_geglu, keep, fused=keep != "tensor")
 
 
 def test_in_place_never_writes_into_views_of_a_leaf():

@@ -290,3 +290,68 @@ def test_torch_compile_fullgraph_matches_eager():
     compiled = run(torch.compile(fn, fullgraph=True), leaves, view, cos, sin, grads, 1)
     for x, y in zip(compiled, eager):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+def scaled_in_place(fn):
+    """``fn`` whose outputs are then edited in place, as attention code may (``q_embed *= scale``)."""
+
+    def scaled(q, k, cos, sin, unsqueeze_dim):
+        q_embed, k_embed = fn(q, k, cos, sin, unsqueeze_dim)
+        q_embed *= 0.125
+        k_embed.mul_(-2.0)
+        return q_embed, k_embed
+
+    return scaled
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_outputs_may_be_edited_in_place(layout, unsqueeze_dim):
+    """The outputs are ordinary tensors (not views of a private buffer): editing them in place
+    works forward and backward, with HF's values."""
+    leaves, view = make_qk_source(layout, 2, 5, 4, 2, 8, unsqueeze_dim, torch.float32)
+    cos, sin = make_cos_sin(1, 5, 8, torch.float32)
+    q, k = view(*leaves)
+    q_embed, k_embed = liger(q, k, cos, sin, unsqueeze_dim)
+    assert q_embed._base is None and k_embed._base is None
+    grads = [torch.randn(q.shape, device=DEVICE), torch.randn(k.shape, device=DEVICE)]
+    got = run(scaled_in_place(liger), leaves, view, cos, sin, grads, unsqueeze_dim)
+    want = run(scaled_in_place(hf_apply_rotary_pos_emb), leaves, view, cos, sin, grads, unsqueeze_dim, upcast=True)
+    for x, y in zip(got, want):
+        assert_close(x, y, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_meta_inputs_give_meta_outputs(unsqueeze_dim):
+    """Shape inference on ``meta`` tensors: outputs and gradients of the right shapes and dtypes."""
+    leaves, view = make_qk_source("transposed", 2, 5, 4, 2, 8, unsqueeze_dim, torch.bfloat16)
+    leaves = [torch.empty_like(t, device="meta").requires_grad_(True) for t in leaves]
+    cos = torch.empty(1, 5, 6, device="meta", dtype=torch.bfloat16)
+    q, k = view(*leaves)
+    q_embed, k_embed = liger(q, k, cos, cos, unsqueeze_dim)
+    assert q_embed.is_meta and q_embed.shape == q.shape and q_embed.dtype == torch.bfloat16
+    assert k_embed.is_meta and k_embed.shape == k.shape and k_embed.stride() == k.stride()
+    (q_embed.sum() + k_embed.sum()).backward()
+    assert all(t.grad.is_meta and t.grad.shape == t.shape for t in leaves)
+
+
+@pytest.mark.parametrize("block_t, block_hq, block_hk", [(1, 1, 1), (2, 4, 1), (16, 2, 2)])
+def test_launch_config_overrides_change_the_schedule_only(block_t, block_hq, block_hk):
+    from liger_kernel.ops.config import override_launch_config
+    from liger_kernel.ops.rope import RopeConfig
+
+    with override_launch_config(RopeConfig, block_t=block_t, block_hq=block_hq, block_hk=block_hk):
+        check_case("qkv_slices", 2, 7, 5, 3, 12, 8, 2, 1, torch.float32)
+
+
+def test_rope_config_heuristic_and_search_space():
+    from liger_kernel.ops.rope import RopeConfig
+
+    # Half-tiles of 2048 elements: 8 heads x 64 rotary pairs -> 4 positions per program.
+    config = RopeConfig.heuristic(4096, 32, 8, 64)
+    assert (config.block_t, config.block_hq, config.block_hk) == (4, 8, 8)
+    assert RopeConfig.heuristic(4096, 32, 8, 64) is config  # memoised per shape
+    space = RopeConfig.search_space(4096, 32, 8, 64)
+    assert config in space and len(set(space)) == len(space) > 1
+    with pytest.raises(ValueError, match="power of two"):
+        RopeConfig(3, 1, 1, 1)

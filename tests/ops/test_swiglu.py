@@ -20,7 +20,7 @@ from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 from tests.utils import DEVICE, assert_close, rel_error, shapes
 
 # Full leading shapes (..., I): one row, a ragged number of rows, a 3-D input, a hidden size
-# that spans two column tiles (GATED_MAX_BLOCK_COLS = 1024) with a ragged second one.
+# that spans two column tiles (GatedActivationConfig.MAX_BLOCK_COLS = 1024) with a ragged second one.
 SHAPES = shapes(
     small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (2, 3, 37), (3, 1100)],
     full=[(rows, hidden) for rows in (1, 3, 1007) for hidden in (1, 123, 4231)] + [(4, 512, 14336)],
@@ -121,29 +121,99 @@ def _temporaries(shape, dtype):
     return x, y, x * 1, y * 1
 
 
+def record_gradient_memory(*tensors):
+    """For each non-leaf tensor: a dict that gets its data pointer now and, during backward, the
+    data pointer of the gradient its producer receives for it. Keeps no reference to the tensors
+    (holding one is what makes the in-place backward refuse), so ``grad_ptr == ptr`` shows that
+    the gradient was written over the activation itself."""
+    records = []
+    for t in tensors:
+        record = {"ptr": t.data_ptr()}
+        index = t.output_nr
+
+        def prehook(grad_outputs, record=record, index=index):
+            record["grad_ptr"] = grad_outputs[index].data_ptr()
+
+        t.grad_fn.register_prehook(prehook)
+        records.append(record)
+    return records
+
+
+def wrote_in_place(records):
+    return [r["grad_ptr"] == r["ptr"] for r in records]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_backward_writes_into_the_temporaries(dtype):
     shape = (3, 37)
     x, y, a, b = _temporaries(shape, dtype)
     dh = torch.randn(shape, device=DEVICE, dtype=dtype)
-    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
-    # The gradients are exact (same kernel as the fresh-output path) ...
+    records = record_gradient_memory(a, b)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b  # nobody but the graph holds them: the backward may write into them
+    h.backward(dh)
+    # The gradients live in a's and b's memory (no new buffers) ...
+    assert wrote_in_place(records) == [True, True]
+    # ... and are exact (same kernel as the fresh-output path).
     _, da, db = gated_run(LigerSiLUMulFunction.apply, x, y, dh, False)
     assert torch.equal(x.grad, da) and torch.equal(y.grad, db)
-    # ... and live in a's and b's storage: the backward allocated no new buffers.
-    assert torch.equal(a.detach(), da) and torch.equal(b.detach(), db)
 
 
 def test_in_place_backward_into_fused_halves():
     fused_leaf, _ = fused_halves((2, 5), 37, torch.float32, requires_grad=True)
-    fused = fused_leaf * 1
-    a, b = fused.chunk(2, dim=-1)
+    a, b = (fused_leaf * 1).chunk(2, dim=-1)
+    records = record_gradient_memory(a, b)
     dh = torch.randn(2, 5, 37, device=DEVICE)
-    LigerSiLUMulFunction.apply(a, b, True).backward(dh)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b
+    h.backward(dh)
+    assert wrote_in_place(records) == [True, True]  # both halves were overwritten in place
     ref_leaf = fused_leaf.detach().clone().requires_grad_(True)
     LigerSiLUMulFunction.apply(*ref_leaf.chunk(2, dim=-1)).backward(dh)
     assert torch.equal(fused_leaf.grad, ref_leaf.grad)
-    assert torch.equal(fused.detach(), ref_leaf.grad)  # both halves were overwritten in place
+
+
+KEEPERS = {
+    "tensor": lambda t: t,
+    "detach": lambda t: t.detach(),
+    "data": lambda t: t.data,
+}
+
+
+def check_kept_activation_survives(function, exact_fn, keep, fused):
+    """A user who kept the gate (or the fused gate/up output), itself or a detached alias, finds
+    its values unchanged after backward (the backward writes fresh gradients instead), and the
+    gradients are right."""
+    x = torch.randn(3, 2 * 37 if fused else 37, device=DEVICE, requires_grad=True)
+    y = torch.randn(3, 37, device=DEVICE, requires_grad=True)
+    dh = torch.randn(3, 37, device=DEVICE)
+    if fused:
+        whole = x * 1
+        kept = KEEPERS[keep](whole)
+        a, b = whole.chunk(2, dim=-1)
+        del whole
+    else:
+        a, b = x * 1, y * 1
+        kept = KEEPERS[keep](a)
+    before = kept.detach().clone()
+    records = record_gradient_memory(a, b)
+    h = function.apply(a, b, True)
+    del a, b
+    h.backward(dh)
+    assert torch.equal(kept, before)
+    assert wrote_in_place(records) == [False, False]  # one refusal covers the pair
+    ref_x = x.detach().double().requires_grad_(True)
+    ref_y = y.detach().double().requires_grad_(True)
+    exact_fn(*(ref_x.chunk(2, dim=-1) if fused else (ref_x, ref_y))).backward(dh.double())
+    assert_close(x.grad, ref_x.grad)
+    if not fused:
+        assert_close(y.grad, ref_y.grad)
+
+
+@pytest.mark.parametrize("keep", list(KEEPERS))
+@pytest.mark.parametrize("fused", [False, True])
+def test_in_place_keeps_an_activation_someone_holds(keep, fused):
+    check_kept_activation_survives(LigerSiLUMulFunction, exact_swiglu, keep, fused)
 
 
 def test_in_place_falls_back_when_unsafe():
@@ -208,6 +278,7 @@ def test_in_place_never_writes_into_views_of_a_leaf(how):
 def test_in_place_backward_twice_fails_loudly():
     _, _, a, b = _temporaries((3, 8), torch.float32)
     h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b
     h.backward(torch.ones_like(h), retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         h.backward(torch.ones_like(h))
@@ -299,9 +370,8 @@ def _down_proj_leaves(lead, inter, out, dtype, bias):
 
 def _run_down_proj(fn, a, b, w, bb, dy):
     leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (a, b, w, bb)]
-    # a and b as non-leaf temporaries (as in an MLP), so the in-place path can engage.
-    a_in, b_in = leaves[0] * 1, leaves[1] * 1
-    y = fn(a_in, b_in, leaves[2], leaves[3])
+    # a and b as non-leaf temporaries nobody else holds (as in an MLP), so the in-place path can engage.
+    y = fn(leaves[0] * 1, leaves[1] * 1, leaves[2], leaves[3])
     y.backward(dy)
     return [y.detach()] + [t.grad for t in leaves if t is not None]
 
@@ -433,3 +503,133 @@ def test_gated_down_proj_bad_arguments():
         LigerGatedDownProjFunction.apply(a, b, w, None, 7, False)
     with pytest.raises(ValueError, match="shape"):
         LigerGatedDownProjFunction.apply(a, b[:, :4], w, None, SILU, False)
+
+
+# ---- Outputs as ordinary tensors, meta inputs, launch configurations ----
+
+from liger_kernel.ops.config import override_launch_config  # noqa: E402
+from liger_kernel.ops.swiglu import GatedActivationConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("activation", [SILU, GELU_TANH])
+@pytest.mark.parametrize("edit", ["mul_", "dropout"])
+def test_output_may_be_edited_in_place(activation, edit):
+    """h is an ordinary tensor, not a view of a private buffer: ``h.mul_(2)`` and
+    ``F.dropout(h, inplace=True)`` work forward and backward with the reference's values."""
+    a, b, dh = make_inputs((3, 2, 37), torch.float32)
+
+    def edited(fn):
+        def run(a, b):
+            h = fn(a, b)
+            if edit == "mul_":
+                return h.mul_(2.0)
+            torch.manual_seed(7)
+            return F.dropout(h, p=0.5, training=True, inplace=True)
+
+        return run
+
+    got = gated_run(edited(_GATED_FUNCTIONS[activation].apply), a, b, dh)
+    want = gated_run(edited(lambda a, b: _ACTIVATIONS[activation](a) * b), a.double(), b.double(), dh.double())
+    for x, y in zip(got, want):
+        assert_close(x, y.float(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("activation", [SILU, GELU_TANH])
+@pytest.mark.parametrize("fused_down", [False, True])
+def test_meta_inputs_give_meta_outputs(activation, fused_down):
+    a = torch.empty(2, 3, 37, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.empty(2, 3, 37, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    if fused_down:
+        w = torch.empty(5, 37, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        out = LigerGatedDownProjFunction.apply(a * 1, b * 1, w, None, activation, True)
+        assert out.is_meta and out.shape == (2, 3, 5) and out.dtype == torch.bfloat16
+    else:
+        out = _GATED_FUNCTIONS[activation].apply(a * 1, b * 1, True)
+        assert out.is_meta and out.shape == a.shape and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert a.grad.is_meta and a.grad.shape == a.shape and b.grad.shape == b.shape
+
+
+def test_launch_config_override_changes_the_geometry_not_the_result():
+    """An override of GatedActivationConfig reaches the launch (two column tiles instead of
+    one) and the results are the heuristic's, bit for bit."""
+    from liger_kernel.ops.swiglu import _launch_geometry
+
+    default, _ = _launch_geometry(64, 1000)
+    assert default == GatedActivationConfig.heuristic(64, 1000) and default.block_cols == 1024
+    a, b, dh = make_inputs((6, 1000), torch.float32)
+    want = gated_run(LigerSiLUMulFunction.apply, a, b, dh)
+    with override_launch_config(GatedActivationConfig, block_cols=256, block_rows=2):
+        narrow, n_tiles = _launch_geometry(64, 1000)
+        assert (narrow.block_rows, narrow.block_cols, n_tiles) == (2, 256, 32 * 4)
+        got = gated_run(LigerSiLUMulFunction.apply, a, b, dh)
+    assert _launch_geometry(64, 1000)[0] == default  # the override ends with the block
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+def test_gated_config_heuristic_and_search_space():
+    # Tiles of 4096 elements with column blocks up to 1024: 4 rows of a 1000-wide problem.
+    config = GatedActivationConfig.heuristic(4096, 1000)
+    assert (config.block_rows, config.block_cols) == (4, 1024)
+    assert GatedActivationConfig.heuristic(4096, 1000) is config  # memoised per shape
+    assert GatedActivationConfig.heuristic(2, 14336).block_rows == 2  # never more rows than the problem
+    space = GatedActivationConfig.search_space(4096, 14336)
+    assert config in GatedActivationConfig.search_space(4096, 1000) and len(set(space)) == len(space) > 1
+    with pytest.raises(ValueError, match="power of two"):
+        GatedActivationConfig(3, 256, 4)
+
+
+def _record_in_place_decisions(monkeypatch):
+    """The in-place decisions of the gated backwards, in call order (the wrapper holds no
+    tensor before the check, so it does not change what the check counts)."""
+    import liger_kernel.ops.swiglu as swiglu_ops
+
+    decisions = []
+    unpack = swiglu_ops.unpack_private_activations
+
+    def recording(ctx):
+        saved, private = unpack(ctx)
+        decisions.append(private)
+        return saved, private
+
+    monkeypatch.setattr(swiglu_ops, "unpack_private_activations", recording)
+    return decisions
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_in_place_backward_under_activation_checkpointing(monkeypatch, use_reentrant):
+    """Checkpointed layers (recomputed in backward) keep the saving: the recomputed activations
+    are held by nobody else either."""
+    from torch.utils.checkpoint import checkpoint
+
+    decisions = _record_in_place_decisions(monkeypatch)
+    x = torch.randn(4, 18, device=DEVICE, requires_grad=True)
+    y = checkpoint(lambda x: LigerSiLUMulFunction.apply(*(x * 1).chunk(2, -1), True), x, use_reentrant=use_reentrant)
+    y.sum().backward()
+    assert decisions == [True]
+    ref = x.detach().double().requires_grad_(True)
+    exact_swiglu(*ref.chunk(2, -1)).sum().backward()
+    assert_close(x.grad, ref.grad)
+
+
+def test_nothing_is_written_in_place_without_a_calibration(monkeypatch):
+    """Where the counts could not be measured at import (another interpreter, no storage use
+    count), the backward never writes into the activations."""
+    import liger_kernel.ops.grad_ownership as ownership
+
+    monkeypatch.setattr(ownership, "_PRIVATE_SAVED_COUNTS", None)
+    x, y, a, b = _temporaries((3, 37), torch.float32)
+    records = record_gradient_memory(a, b)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b
+    h.backward(torch.ones_like(h))
+    assert wrote_in_place(records) == [False, False]
+
+
+def test_calibration_measured_the_activations():
+    """On this torch the counts are measured, so the in-place saving is available."""
+    import liger_kernel.ops.grad_ownership as ownership
+
+    assert ownership._PRIVATE_SAVED_COUNTS is not None
+    assert ownership._calibrate_private_saved_counts() == ownership._PRIVATE_SAVED_COUNTS

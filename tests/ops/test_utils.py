@@ -123,19 +123,6 @@ def test_next_power_of_2_matches_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
 
 
-def test_gated_launch_geometry_reads_tunables_at_call_time(monkeypatch):
-    """The memoised gated-MLP launch geometry is keyed on the tunables, so changing one
-    (as ``benchmarks.tune`` does) takes effect at the next launch."""
-    import liger_kernel.ops.swiglu as swiglu_ops
-
-    default = swiglu_ops._launch_geometry(64, 4096)
-    monkeypatch.setattr(swiglu_ops, "GATED_MAX_BLOCK_COLS", 256)
-    narrow = swiglu_ops._launch_geometry(64, 4096)
-    assert narrow[1] == 256 and narrow != default
-    monkeypatch.setattr(swiglu_ops, "GATED_MAX_BLOCK_COLS", 1024)
-    assert swiglu_ops._launch_geometry(64, 4096) == default
-
-
 # ``backward_writes_into_grad``: the norms' backward writes dx over the incoming gradient only
 # when autograd owns it. Each norm as (x, params, in_place) -> y.
 NORMS = {

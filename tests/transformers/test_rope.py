@@ -108,3 +108,34 @@ def test_functional_aliases():
     from liger_kernel.transformers import liger_rotary_pos_emb as exported
 
     assert exported is liger_rotary_pos_emb
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_outputs_scaled_in_place_as_hf(unsqueeze_dim):
+    """``q_embed *= scale`` after the call works forward and backward with HF's values."""
+    config, rotary, hf_fn = _family("llama")
+    batch, seq, head_dim = 2, 7, 16
+    shape = (batch, 4, seq, head_dim) if unsqueeze_dim == 1 else (batch, seq, 4, head_dim)
+    q0 = torch.randn(shape, device=DEVICE)
+    k0 = torch.randn(shape, device=DEVICE)
+    cos, sin = rotary.to(DEVICE)(q0, torch.arange(seq, device=DEVICE)[None].expand(batch, -1))
+    results = []
+    for fn, dtype in ((liger_rotary_pos_emb, torch.float32), (hf_fn, torch.float64)):
+        q, k = (t.detach().to(dtype).requires_grad_(True) for t in (q0, k0))
+        q_embed, k_embed = fn(q, k, cos.to(dtype), sin.to(dtype), unsqueeze_dim=unsqueeze_dim)
+        q_embed *= head_dim**-0.5
+        k_embed.add_(1.0)
+        (q_embed * k_embed).sum().backward()
+        results.append((q_embed.detach(), k_embed.detach(), q.grad, k.grad))
+    for x, y in zip(*results):
+        assert_close(x, y)
+
+
+def test_meta_inputs_give_meta_outputs():
+    q = torch.empty(2, 4, 5, 16, device="meta", requires_grad=True)
+    k = torch.empty(2, 2, 5, 16, device="meta", requires_grad=True)
+    cos = torch.empty(2, 5, 16, device="meta")
+    q_embed, k_embed = liger_rotary_pos_emb(q, k, cos, cos)
+    assert q_embed.is_meta and q_embed.shape == q.shape and k_embed.shape == k.shape
+    (q_embed.sum() + k_embed.sum()).backward()
+    assert q.grad.is_meta and q.grad.shape == q.shape and k.grad.shape == k.shape

@@ -174,3 +174,90 @@ def test_offloaded_down_proj_is_called_through_its_hook():
     hf(x_hf).sum().backward()
     liger(x_liger).sum().backward()
     torch.testing.assert_close(x_liger.grad, x_hf.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- The in-place backward and activations a forward hook keeps ----
+
+KEEPERS = {"tensor": lambda t: t, "detach": lambda t: t.detach(), "data": lambda t: t.data}
+
+
+def mlp_modules(kind):
+    """(HF module, Liger module with HF's weights, the projection whose output a hook may keep)."""
+    if kind == "phi3":
+        from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+        config = mlp_config("Phi3Config", 16, 40, hidden_act="silu")
+        hf, liger = Phi3MLP(config), LigerPhi3SwiGLUMLP(config)
+    elif kind == "gemma":
+        from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+        from liger_kernel.transformers.geglu import LigerGEGLUMLP
+
+        config = mlp_config("GemmaConfig", 16, 40, hidden_act="gelu_pytorch_tanh")
+        hf, liger = GemmaMLP(config), LigerGEGLUMLP(config)
+    else:
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        config = llama_config(16, 40)
+        hf, liger = LlamaMLP(config), LigerSwiGLUMLP(config)
+    liger.load_state_dict(hf.state_dict())
+    return hf.to(DEVICE), liger.to(DEVICE)
+
+
+def hook_projection(module, kind, keep, store):
+    """A forward hook on the gate (Phi-3: the fused gate/up) projection that stores ``keep(output)``."""
+    projection = module.gate_up_proj if kind == "phi3" else module.gate_proj
+    return projection.register_forward_hook(lambda m, args, out: store.append(KEEPERS[keep](out)))
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma"])
+@pytest.mark.parametrize("keep", list(KEEPERS))
+def test_activation_kept_by_a_hook_keeps_its_values(kind, keep):
+    """With ``in_place=True`` (the modules' default) a hook that kept the gate activation (or
+    the fused gate/up output), itself or a detached alias, still holds HF's values after
+    backward, and every gradient equals the HF module's."""
+    hf, liger = mlp_modules(kind)
+    x = torch.randn(2, 3, 16, device=DEVICE)
+    dy = torch.randn(2, 3, 16, device=DEVICE)
+    kept_hf, kept_liger = [], []
+    hook_projection(hf, kind, keep, kept_hf)
+    hook_projection(liger, kind, keep, kept_liger)
+    for module in (hf, liger):
+        module(x.clone().requires_grad_(True)).backward(dy)
+    torch.testing.assert_close(kept_liger[0], kept_hf[0])
+    for (name, p_hf), p_liger in zip(hf.named_parameters(), liger.parameters()):
+        torch.testing.assert_close(p_liger.grad, p_hf.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_without_hooks_the_backward_writes_into_the_activations(kind):
+    """The memory saving stays: the gradient reaching the gate and up projections lives in
+    their outputs, written over them rather than in fresh buffers. (Phi-3's halves are
+    joined by the chunk's backward into a new buffer, so its write is checked on the chunk's
+    node in tests/ops/test_swiglu.py.)"""
+    _, liger = mlp_modules(kind)
+    records = []
+
+    def record(module, args, out):  # keeps only integers, never the tensor
+        record_, index = {"ptr": out.data_ptr()}, out.output_nr
+        out.grad_fn.register_prehook(lambda grads: record_.__setitem__("grad_ptr", grads[index].data_ptr()))
+        records.append(record_)
+
+    projections = [liger.gate_proj, liger.up_proj]
+    for projection in projections:
+        projection.register_forward_hook(record)
+    liger(torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)).sum().backward()
+    assert [r["grad_ptr"] == r["ptr"] for r in records] == [True] * len(projections)
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma"])
+def test_meta_module_gives_meta_outputs(kind):
+    """A module on the ``meta`` device (shape inference, meta-device init) maps meta inputs to
+    meta outputs of the right shape and dtype, forward and backward, as HF's does."""
+    _, liger = mlp_modules(kind)
+    liger = liger.to("meta")
+    x = torch.empty(2, 3, 16, device="meta", requires_grad=True)
+    y = liger(x)
+    assert y.is_meta and y.shape == x.shape and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad.is_meta and x.grad.shape == x.shape

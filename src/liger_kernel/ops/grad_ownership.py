@@ -137,3 +137,105 @@ def _calibrate_owned_grad_references(device: str = "cpu") -> tuple[int, int, int
 
 
 _OWNED_GRAD_REFERENCES = _calibrate_owned_grad_references()
+
+
+# ---- Saved activations: whether a backward may write its input gradients over them ----
+#
+# The gated activations' in-place backward writes da over the saved gate activation a and db
+# over the saved up activation b. That is only invisible where nothing but the autograd graph
+# still refers to their memory: a forward hook on ``gate_proj`` that kept its output (or
+# ``out.detach()``, ``out.data``) would otherwise find gradient values in it after backward.
+# Same two counts as for gradients above, for the tensors unpacked from ``ctx.saved_tensors``:
+# Python references to each tensor and to the tensor it views, and users of each storage beyond
+# the tensors of the pair itself (a fused ``gate_up`` output and its two halves are three).
+
+# (references to a saved tensor, references to the base of a saved view, storage users beyond
+# the pair's own tensors) for activations nobody else holds; None: never written in place.
+_PRIVATE_SAVED_COUNTS: tuple[int, int, int] | None = None
+_SAVED_CALIBRATION_COUNTS: list[tuple[tuple[int, int, int], ...]] | None = None
+
+
+def _saved_pair_counts(a: torch.Tensor, b: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """Per tensor of the pair: (references to it, references to its base or 0, storage users
+    beyond the distinct tensors of the pair and their bases on that storage)."""
+    counts = []
+    for x in (a, b):
+        base = x._base
+        storage = x.untyped_storage()._cdata
+        own = {id(t): t for t in (a, b, a._base, b._base)
+               if t is not None and t.untyped_storage()._cdata == storage}
+        counts.append((sys.getrefcount(x) - 1, 0 if base is None else sys.getrefcount(base) - 1,
+                       torch._C._storage_Use_Count(storage) - len(own)))
+    return tuple(counts)
+
+
+def unpack_private_activations(ctx) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(ctx.saved_tensors, private)``: private says whether a backward may overwrite the first
+    two saved tensors (a gate and an up activation). Use it instead of ``ctx.saved_tensors``
+    (which may be unpacked only once under activation checkpointing); it unpacks them itself,
+    so that the references it counts do not depend on the caller.
+
+    True only where each has no more Python references than an activation nobody kept, the
+    tensor each views (a fused projection's output) none either, and each storage no user
+    beyond the pair's tensors and their bases: a hook that kept the activation shows as one
+    reference more, one that kept ``.detach()`` or ``.data`` as one storage user more. The
+    limits are measured at import by :func:`_calibrate_private_saved_counts` through the same
+    call (a Function whose backward asks this function about two saved activations); where
+    they cannot be measured nothing is written in place.
+
+    Memory: where refused, the backward allocates da and db, two buffers of the activations'
+    size, while it runs.
+    """
+    saved = ctx.saved_tensors
+    a, b = saved[0], saved[1]
+    if _SAVED_CALIBRATION_COUNTS is not None:
+        _SAVED_CALIBRATION_COUNTS.append(_saved_pair_counts(a, b))
+        return saved, False
+    limits = _PRIVATE_SAVED_COUNTS
+    if limits is None or a.is_meta or b.is_meta:
+        return saved, False
+    max_refs, max_base_refs, max_extra_users = limits
+    return saved, all(refs <= max_refs and base_refs <= max_base_refs and users <= max_extra_users
+                      for refs, base_refs, users in _saved_pair_counts(a, b))
+
+
+class _SavedActivationProbe(torch.autograd.Function):
+    """Calibration of _PRIVATE_SAVED_COUNTS: ``y = a * b`` whose backward unpacks ``a`` and ``b``
+    and asks unpack_private_activations exactly as the gated activations' backward does."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        (a, b), _ = unpack_private_activations(ctx)
+        return grad_output * b, grad_output * a
+
+
+def _calibrate_private_saved_counts(device: str = "cpu") -> tuple[int, int, int] | None:
+    """Counts of :func:`unpack_private_activations` for two fresh activations and for the two
+    halves of one (None where they cannot be measured or disagree with the tensors built)."""
+    global _SAVED_CALIBRATION_COUNTS
+    if sys.implementation.name != "cpython" or not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return None
+    _SAVED_CALIBRATION_COUNTS = []
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(2, 4, device=device, requires_grad=True)
+            _SavedActivationProbe.apply(x * 2.0, x * 3.0).sum().backward()  # two projections' outputs
+            _SavedActivationProbe.apply(*(x * 2.0).chunk(2, dim=-1)).sum().backward()  # halves of a fused one
+        (plain_a, plain_b), (half_a, half_b) = _SAVED_CALIBRATION_COUNTS
+    except Exception:  # no storage use count in this torch: never write in place
+        return None
+    finally:
+        _SAVED_CALIBRATION_COUNTS = None
+    if (plain_a != plain_b or half_a != half_b or plain_a[1] != 0 or half_a[1] == 0
+            or plain_a[0] != half_a[0] or plain_a[2] != half_a[2]):
+        return None  # the probes did not see the activations they were built for
+    return plain_a[0], half_a[1], plain_a[2]
+
+
+_PRIVATE_SAVED_COUNTS = _calibrate_private_saved_counts()

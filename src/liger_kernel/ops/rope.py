@@ -41,12 +41,16 @@ output rounded once to its input's dtype. HF rounds each product and the sum to 
 dtype (HF's rotary modules return cos/sin in the activations' dtype, so the output dtypes
 agree); with fp32 cos/sin and bf16 q HF's type promotion would return fp32, the kernel
 still returns bf16.
-Outputs and gradients are fresh tensors laid out like the corresponding input (same order
-of dimensions in memory), so views/transposes around the call stay free.
+Outputs and gradients are fresh tensors of the inputs' shapes, laid out like the
+corresponding input (same order of dimensions in memory), so views/transposes around the
+call stay free; they are not views of another tensor, so they may be edited in place.
+``meta`` inputs give ``meta`` outputs of the right shapes (nothing is launched).
 """
 
+import dataclasses
+import functools
 import itertools
-from typing import Tuple
+from typing import ClassVar, Tuple
 
 import torch
 import triton
@@ -59,6 +63,7 @@ from liger_kernel.ops.checks import (
     check_tensor,
     ensure_contiguous_last_dim,
 )
+from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
     cdiv,
@@ -70,14 +75,56 @@ from liger_kernel.ops.launch import (
 )
 from liger_kernel.ops.numerics import round_to_dtype
 
-# ---- Tunables (change after GPU measurements) ----
-# Elements of one half-tile (positions x heads x R/2) a program processes per step; the
-# number of positions per program, BLOCK_T, is derived from it.
-# H200 sweep (benchmarks/tune.py, B4 T4096 Hq32 Hk8 D128 bf16, fwd+bwd), CUDA-graph timing
-# (2026-12-03, run 2): 2048/8 0.197 ms, 16384/8 0.203, 4096/8 0.206. (Run 1's per-call
-# timings, 0.48-0.77 ms, were host-bound and did not rank the settings.)
-ROPE_TILE_ELEMENTS = 2048
-ROPE_MAX_BLOCK_HEADS = 8
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig(LaunchConfig):
+    """Launch geometry of the RoPE kernel (forward and backward share it).
+
+    One program handles ``block_t`` positions of one batch row and walks the q heads in blocks
+    of ``block_hq`` and the k heads in blocks of ``block_hk``. Fields must be powers of two.
+    """
+
+    block_t: int
+    block_hq: int
+    block_hk: int
+    num_warps: int
+
+    # Elements of one half-tile (positions x heads x R/2) per step, and the widest head block;
+    # what ``python -m benchmarks.tune`` varies. (2048, 8) is the fastest fwd+bwd setting on
+    # H200 at B4 T4096 Hq32 Hk8 D128 bf16 (docs/performance.md).
+    TILE_ELEMENTS: ClassVar[int] = 2048
+    MAX_BLOCK_HEADS: ClassVar[int] = 8
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "block_hq", "block_hk", "num_warps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
+                raise ValueError(f"RopeConfig.{name} must be a power of two, got {value!r}")
+
+    @classmethod
+    def heuristic(cls, seq_len: int, n_q_heads: int, n_k_heads: int, rot_half: int) -> "RopeConfig":
+        """The geometry for one problem, memoised per shape (launchers run per layer per step)."""
+        return _rope_geometry(seq_len, n_q_heads, n_k_heads, rot_half, cls.TILE_ELEMENTS, cls.MAX_BLOCK_HEADS,
+                              is_interpreter())
+
+    @classmethod
+    def search_space(cls, seq_len: int, n_q_heads: int, n_k_heads: int, rot_half: int) -> Tuple["RopeConfig", ...]:
+        """Distinct geometries of half-tiles of 2K-16K elements with head blocks of 8-64."""
+        candidates = (_rope_geometry(seq_len, n_q_heads, n_k_heads, rot_half, tile, heads, is_interpreter())
+                      for tile in (2048, 4096, 8192, 16384) for heads in (8, 32, 64))
+        return tuple(dict.fromkeys(candidates))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rope_geometry(seq_len: int, n_q_heads: int, n_k_heads: int, rot_half: int, tile_elements: int,
+                   max_block_heads: int, interpreter: bool) -> RopeConfig:
+    # ``interpreter`` only keys the cache: row_launch_settings' warps depend on it.
+    block_hq = min(next_power_of_2(max(n_q_heads, 1)), max_block_heads)
+    block_hk = min(next_power_of_2(max(n_k_heads, 1)), max_block_heads)
+    per_position = max(block_hq, block_hk) * next_power_of_2(rot_half)
+    block_t = min(max(1, tile_elements // per_position), next_power_of_2(seq_len))
+    _, num_warps = row_launch_settings(block_t * per_position, max_block=MAX_BLOCK)
+    return RopeConfig(block_t, block_hq, block_hk, num_warps)
 
 
 @triton.jit
@@ -177,12 +224,21 @@ def memory_order(x: torch.Tensor) -> int:
     return _DIM_ORDERS.index(order)
 
 
-def empty_in_order(shape: Tuple[int, ...], order: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A dense tensor of ``shape`` (B, H, T, D) whose first three dims sit in memory as ``order``."""
-    perm = list(_DIM_ORDERS[order]) + [3]
-    storage = torch.empty([shape[d] for d in perm], dtype=dtype, device=device)
-    inverse = [perm.index(d) for d in range(4)]
-    return storage.permute(inverse)
+def empty_in_order(shape: Tuple[int, ...], order: int, dtype: torch.dtype, device: torch.device,
+                   transposed: bool = False) -> torch.Tensor:
+    """A fresh dense tensor for a (B, H, T, D) ``shape`` whose first three dims sit in memory as
+    ``order``; with ``transposed`` it is returned as (B, T, H, D) (the same memory, dims 1 and 2
+    swapped). Never a view: callers may hand it out as an ordinary result."""
+    strides = [0, 0, 0, 0]
+    step = 1
+    for d in reversed(list(_DIM_ORDERS[order]) + [3]):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    shape = list(shape)
+    if transposed:
+        shape[1], shape[2] = shape[2], shape[1]
+        strides[1], strides[2] = strides[2], strides[1]
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
 def _table_strides(table: torch.Tensor) -> Tuple[int, int]:
@@ -195,18 +251,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
     rot_half = cos.shape[-1] // 2
-    if batch == 0 or seq_len == 0 or head_dim == 0 or (n_q_heads == 0 and n_k_heads == 0):
-        return
+    if batch == 0 or seq_len == 0 or head_dim == 0 or (n_q_heads == 0 and n_k_heads == 0) or q.is_meta:
+        return  # nothing to rotate; meta tensors (shape inference) have no memory to run on
     block_half = next_power_of_2(rot_half)
     block_pass = next_power_of_2(max(head_dim - 2 * rot_half, 1))
-    block_hq = min(next_power_of_2(max(n_q_heads, 1)), ROPE_MAX_BLOCK_HEADS)
-    block_hk = min(next_power_of_2(max(n_k_heads, 1)), ROPE_MAX_BLOCK_HEADS)
-    per_position = max(block_hq, block_hk) * block_half
-    block_t = min(max(1, ROPE_TILE_ELEMENTS // per_position), next_power_of_2(seq_len))
-    _, num_warps = row_launch_settings(block_t * per_position, max_block=MAX_BLOCK)
+    config = launch_config(RopeConfig, seq_len, n_q_heads, n_k_heads, rot_half)
     cos_sb, cos_st = _table_strides(cos)
     sin_sb, sin_st = _table_strides(sin)
-    grid = (batch * cdiv(seq_len, block_t),)
+    grid = (batch * cdiv(seq_len, config.block_t),)
     launch_kernel(rope_kernel, grid,
         q, k, q_out, k_out, cos, sin,
         seq_len, n_q_heads, n_k_heads,
@@ -214,46 +266,53 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         cos_sb, cos_st, sin_sb, sin_st,
         HEAD_DIM=head_dim, ROT_HALF=rot_half, INVERSE=inverse,
-        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        BLOCK_T=config.block_t, BLOCK_HQ=config.block_hq, BLOCK_HK=config.block_hk,
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass, ROUND_BY_HAND=is_interpreter(),
-        num_warps=num_warps,
+        num_warps=config.num_warps,
     )
 
 
 def _rope_launcher(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                   k_order: int, inverse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                   k_order: int, transposed: bool, inverse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     q, k = ensure_contiguous_last_dim(q), ensure_contiguous_last_dim(k)
     cos, sin = ensure_contiguous_last_dim(cos), ensure_contiguous_last_dim(sin)
-    q_out = empty_in_order(tuple(q.shape), q_order, q.dtype, q.device)
-    k_out = empty_in_order(tuple(k.shape), k_order, k.dtype, k.device)
-    _launch(q, k, cos, sin, q_out, k_out, inverse)
+    q_out, k_out = _empty_outputs(q, k, q_order, k_order, transposed)
+    if transposed:
+        _launch(q, k, cos, sin, q_out.transpose(1, 2), k_out.transpose(1, 2), inverse)
+    else:
+        _launch(q, k, cos, sin, q_out, k_out, inverse)
     return q_out, k_out
+
+
+def _empty_outputs(q: torch.Tensor, k: torch.Tensor, q_order: int, k_order: int,
+                   transposed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (empty_in_order(tuple(q.shape), q_order, q.dtype, q.device, transposed),
+            empty_in_order(tuple(k.shape), k_order, k.dtype, k.device, transposed))
 
 
 @liger_custom_op("rope_forward")
 def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                 k_order: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rotate canonical (B, H, T, D) q and k by (Bc, Tc, R) cos/sin; outputs laid out by the orders."""
-    return _rope_launcher(q, k, cos, sin, q_order, k_order, False)
+                 k_order: int, transposed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate canonical (B, H, T, D) q and k by (Bc, Tc, R) cos/sin; outputs laid out by the
+    orders, returned as (B, T, H, D) where ``transposed``."""
+    return _rope_launcher(q, k, cos, sin, q_order, k_order, transposed, False)
 
 
 @rope_forward.register_fake
-def _rope_forward_fake(q, k, cos, sin, q_order, k_order):
-    return (empty_in_order(tuple(q.shape), q_order, q.dtype, q.device),
-            empty_in_order(tuple(k.shape), k_order, k.dtype, k.device))
+def _rope_forward_fake(q, k, cos, sin, q_order, k_order, transposed):
+    return _empty_outputs(q, k, q_order, k_order, transposed)
 
 
 @liger_custom_op("rope_backward")
 def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                  k_order: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of q and k: the inverse rotation of the output gradients."""
-    return _rope_launcher(grad_q, grad_k, cos, sin, q_order, k_order, True)
+                  k_order: int, transposed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of q and k: the inverse rotation of the (canonical) output gradients."""
+    return _rope_launcher(grad_q, grad_k, cos, sin, q_order, k_order, transposed, True)
 
 
 @rope_backward.register_fake
-def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order):
-    return (empty_in_order(tuple(grad_q.shape), q_order, grad_q.dtype, grad_q.device),
-            empty_in_order(tuple(grad_k.shape), k_order, grad_k.dtype, grad_k.device))
+def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order, transposed):
+    return _empty_outputs(grad_q, grad_k, q_order, k_order, transposed)
 
 
 # --------------------------------------------------------------------------------------
@@ -328,21 +387,20 @@ class LigerRopeFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise ValueError("cos and sin must not require grad: the Liger RoPE kernel treats them as constants")
         q_order, k_order = memory_order(q_c), memory_order(k_c)
-        q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order)
+        transposed = unsqueeze_dim == 2
+        # Outputs in q's and k's own shapes and memory orders, not views of another tensor,
+        # so that callers may edit them in place (``q_embed *= scale``) as HF's.
+        q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order, transposed)
         ctx.save_for_backward(cos_c, sin_c)
         ctx.orders = (q_order, k_order)
-        ctx.unsqueeze_dim = unsqueeze_dim
-        if unsqueeze_dim == 2:
-            q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+        ctx.transposed = transposed
         return q_embed, k_embed
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q_embed: torch.Tensor, grad_k_embed: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        if ctx.unsqueeze_dim == 2:
+        if ctx.transposed:
             grad_q_embed, grad_k_embed = grad_q_embed.transpose(1, 2), grad_k_embed.transpose(1, 2)
-        grad_q, grad_k = rope_backward(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders)
-        if ctx.unsqueeze_dim == 2:
-            grad_q, grad_k = grad_q.transpose(1, 2), grad_k.transpose(1, 2)
+        grad_q, grad_k = rope_backward(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders, ctx.transposed)
         return grad_q, grad_k, None, None, None, None

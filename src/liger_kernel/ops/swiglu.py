@@ -43,18 +43,26 @@ else will read ``a`` or ``b`` again - true in a gated MLP, where both are tempor
 falls back to fresh outputs when it cannot prove the write safe: ``a`` or ``b`` is a leaf
 (a user tensor) or a view of one (e.g. the halves ``x[:, :I]``, ``x[:, I:]`` of a user's
 ``x``), the two may overlap in memory (e.g. ``a is b``), a tensor overlaps itself
-(an expanded view), or the backward is being traced by ``torch.compile`` (whose
-functionalisation would copy anyway). After writing, the version counters of ``a`` and
-``b`` are bumped, so a second backward through the same graph (``retain_graph=True``)
-fails loudly in autograd instead of reading the overwritten values.
+(an expanded view), the backward is being traced by ``torch.compile`` (whose
+functionalisation would copy anyway), or - decided in the backward - anything but the
+graph still refers to their memory: a forward hook on ``gate_proj``/``up_proj`` that kept
+the activation, ``.detach()`` or ``.data`` of it, or the fused projection it is a half of
+(:func:`liger_kernel.ops.grad_ownership.unpack_private_activations`). Such a refusal
+costs two fresh (N, I) gradients while the backward runs. After writing, the version
+counters of ``a`` and ``b`` are bumped, so a second backward through the same graph
+(``retain_graph=True``) fails loudly in autograd instead of reading the overwritten values.
 
-Empty inputs give empty outputs and gradients.
+Outputs and gradients are ordinary tensors (not views of internal buffers), so they may be
+edited in place (``h.mul_(2)``, ``F.dropout(h, inplace=True)``) as any torch result.
+Empty inputs give empty outputs and gradients; ``meta`` inputs give ``meta`` outputs of the
+right shape and dtype (nothing is launched).
 """
 
+import dataclasses
 import functools
 import math
 from types import SimpleNamespace
-from typing import Tuple
+from typing import ClassVar, Tuple
 
 import torch
 import triton
@@ -62,6 +70,8 @@ import triton.language as tl
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import as_rows, check_float_dtype, check_same_device, check_tensor
+from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.grad_ownership import unpack_private_activations
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
     cdiv,
@@ -76,13 +86,6 @@ from liger_kernel.ops.numerics import round_to_dtype
 # Values of the ACTIVATION constexpr.
 SILU = 0
 GELU_TANH = 1
-
-# ---- Tunables (change after GPU measurements) ----
-# Elements per program tile; each program reads two (three in backward) such tiles. Rows
-# narrower than GATED_MAX_BLOCK_COLS are packed several to a tile.
-GATED_TILE_ELEMENTS = 4096
-GATED_MAX_BLOCK_COLS = 1024
-
 
 @triton.jit
 def _gated_activation(a, ACTIVATION: tl.constexpr):
@@ -164,25 +167,61 @@ def gated_activation_backward_kernel(
                  mask=mask)
 
 
-def _launch_geometry(n_rows: int, n_cols: int) -> Tuple[int, int, int, int]:
-    """``(BLOCK_ROWS, BLOCK_COLS, num_warps, n_tiles)`` for an (n_rows, n_cols) problem.
+@dataclasses.dataclass(frozen=True)
+class GatedActivationConfig(LaunchConfig):
+    """Launch geometry of the gated-activation kernels (forward and backward share it).
 
-    Memoised on the shape and the tunables (a training step asks for the same few shapes
-    every layer, and host time here shows as GPU idle time in a host-bound forward).
+    One program per (block_rows, block_cols) tile of the (N, I) problem; rows narrower than
+    the widest column block are packed several to a tile, so every program moves about the
+    same number of bytes. Fields must be powers of two.
     """
-    return _memoised_launch_geometry(n_rows, n_cols, GATED_TILE_ELEMENTS, GATED_MAX_BLOCK_COLS, MAX_BLOCK,
-                                     is_interpreter())
+
+    block_rows: int
+    block_cols: int
+    num_warps: int
+
+    # Elements per program tile (each program reads two such tiles, three in backward) and
+    # the widest column block; what ``python -m benchmarks.tune`` varies.
+    TILE_ELEMENTS: ClassVar[int] = 4096
+    MAX_BLOCK_COLS: ClassVar[int] = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("block_rows", "block_cols", "num_warps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
+                raise ValueError(f"GatedActivationConfig.{name} must be a power of two, got {value!r}")
+        if self.block_rows * self.block_cols > MAX_BLOCK:
+            raise ValueError(f"GatedActivationConfig: a tile of {self.block_rows} x {self.block_cols} elements "
+                             f"exceeds Triton's {MAX_BLOCK}")
+
+    @classmethod
+    def heuristic(cls, n_rows: int, n_cols: int) -> "GatedActivationConfig":
+        """The geometry for an (n_rows, n_cols) problem, memoised per shape (a training step asks
+        for the same few shapes every layer; host time here shows as GPU idle time)."""
+        return _gated_geometry(n_rows, n_cols, cls.TILE_ELEMENTS, cls.MAX_BLOCK_COLS, is_interpreter())
+
+    @classmethod
+    def search_space(cls, n_rows: int, n_cols: int) -> Tuple["GatedActivationConfig", ...]:
+        """Distinct geometries of tiles of 2K-16K elements with column blocks of 256-4096."""
+        candidates = (_gated_geometry(n_rows, n_cols, tile, cols, is_interpreter())
+                      for tile in (2048, 4096, 8192, 16384) for cols in (256, 1024, 4096))
+        return tuple(dict.fromkeys(candidates))
 
 
 @functools.lru_cache(maxsize=1024)
-def _memoised_launch_geometry(n_rows: int, n_cols: int, tile_elements: int, max_block_cols: int, max_block: int,
-                              interpreter: bool) -> Tuple[int, int, int, int]:
+def _gated_geometry(n_rows: int, n_cols: int, tile_elements: int, max_block_cols: int,
+                    interpreter: bool) -> GatedActivationConfig:
     # ``interpreter`` only keys the cache: row_launch_settings' warps depend on it.
     block_cols, _ = row_launch_settings(n_cols, max_block=max_block_cols)
     block_rows = min(max(1, tile_elements // block_cols), next_power_of_2(n_rows))
-    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=max_block)
-    n_tiles = cdiv(n_rows, block_rows) * cdiv(n_cols, block_cols)
-    return block_rows, block_cols, num_warps, n_tiles
+    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    return GatedActivationConfig(block_rows, block_cols, num_warps)
+
+
+def _launch_geometry(n_rows: int, n_cols: int) -> Tuple[GatedActivationConfig, int]:
+    """The configuration in force for an (n_rows, n_cols) problem and its number of tiles."""
+    config = launch_config(GatedActivationConfig, n_rows, n_cols)
+    return config, cdiv(n_rows, config.block_rows) * cdiv(n_cols, config.block_cols)
 
 
 def check_gated_args(a: object, b: object) -> None:
@@ -243,50 +282,55 @@ def _mutually_disjoint(x: torch.Tensor, y: torch.Tensor) -> bool:
     return n_cols <= phase <= period - n_cols
 
 
+def _launches(x: torch.Tensor, n_rows: int, n_cols: int) -> bool:
+    # Meta tensors (shape inference, meta-device init) have shapes but no memory to run on.
+    return n_rows > 0 and n_cols > 0 and not x.is_meta
+
+
 def gated_activation_forward(a: torch.Tensor, b: torch.Tensor, activation: int) -> torch.Tensor:
-    """Launch the forward kernel; returns ``h = act(a) * b``, fresh and contiguous."""
+    """Launch the forward kernel; returns ``h = act(a) * b``, a fresh contiguous tensor of a's shape."""
     a_rows, b_rows = _rows(a), _rows(b)
     n_rows, n_cols = a_rows.shape
-    h = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
-    if n_rows > 0 and n_cols > 0:
-        block_rows, block_cols, num_warps, n_tiles = _launch_geometry(n_rows, n_cols)
+    h = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    if _launches(a, n_rows, n_cols):
+        config, n_tiles = _launch_geometry(n_rows, n_cols)
+        h_rows = h.view(n_rows, n_cols)
         launch_kernel(gated_activation_forward_kernel, (n_tiles,),
-            a_rows, b_rows, h,
-            n_rows, n_cols, a_rows.stride(0), b_rows.stride(0), h.stride(0),
-            ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-            ROUND_BY_HAND=is_interpreter(), num_warps=num_warps,
+            a_rows, b_rows, h_rows,
+            n_rows, n_cols, a_rows.stride(0), b_rows.stride(0), h_rows.stride(0),
+            ACTIVATION=activation, BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols,
+            ROUND_BY_HAND=is_interpreter(), num_warps=config.num_warps,
         )
-    return h.view(a.shape)
+    return h
 
 
 def gated_activation_backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: int,
-                              da_rows: torch.Tensor | None = None,
-                              db_rows: torch.Tensor | None = None,
+                              da: torch.Tensor | None = None, db: torch.Tensor | None = None,
                               store_h: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; returns ``(da, db)`` as (N, I) row views.
+    """Launch the backward kernel; returns ``(da, db)`` of a's shape.
 
-    ``da_rows``/``db_rows`` are the (N, I) destinations (e.g. a's and b's own rows for the
-    in-place backward); fresh contiguous tensors are allocated where they are None. With
-    ``store_h``, ``grad_h`` is overwritten by the recomputed ``h = act(a) * b`` (it must be a
-    flattenable view, so that the kernel writes into its storage).
+    ``da``/``db`` are the destinations (a and b themselves for the in-place backward, which
+    has checked that their rows are views of their memory); fresh contiguous tensors are
+    allocated where they are None. With ``store_h``, ``grad_h`` is overwritten by the
+    recomputed ``h = act(a) * b`` (it must be a flattenable view, so that the kernel writes
+    into its storage).
     """
     a_rows, b_rows = _rows(a), _rows(b)
     n_rows, n_cols = a_rows.shape
     dh_rows = _rows(grad_h)
-    if da_rows is None:
-        da_rows = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
-    if db_rows is None:
-        db_rows = torch.empty((n_rows, n_cols), dtype=b.dtype, device=b.device)
-    if n_rows > 0 and n_cols > 0:
-        block_rows, block_cols, num_warps, n_tiles = _launch_geometry(n_rows, n_cols)
+    da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if da is None else da
+    db = torch.empty(b.shape, dtype=b.dtype, device=b.device) if db is None else db
+    if _launches(a, n_rows, n_cols):
+        config, n_tiles = _launch_geometry(n_rows, n_cols)
+        da_rows, db_rows = _rows(da), _rows(db)
         launch_kernel(gated_activation_backward_kernel, (n_tiles,),
             dh_rows, a_rows, b_rows, da_rows, db_rows,
             n_rows, n_cols, dh_rows.stride(0), a_rows.stride(0), b_rows.stride(0),
             da_rows.stride(0), db_rows.stride(0),
-            ACTIVATION=activation, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-            ROUND_BY_HAND=is_interpreter(), STORE_H=store_h, num_warps=num_warps,
+            ACTIVATION=activation, BLOCK_ROWS=config.block_rows, BLOCK_COLS=config.block_cols,
+            ROUND_BY_HAND=is_interpreter(), STORE_H=store_h, num_warps=config.num_warps,
         )
-    return da_rows, db_rows
+    return da, db
 
 
 def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
@@ -307,8 +351,7 @@ def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
 
     @liger_custom_op(f"{name}_backward")
     def backward(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        da_rows, db_rows = gated_activation_backward(grad_h, a, b, activation)
-        return da_rows.view(a.shape), db_rows.view(b.shape)
+        return gated_activation_backward(grad_h, a, b, activation)
 
     @backward.register_fake
     def _backward_fake(grad_h, a, b):
@@ -318,7 +361,7 @@ def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
     @liger_custom_op(f"{name}_backward_inplace", mutates_args=("a", "b"))
     def backward_inplace(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write da over a and db over b; the caller has checked that is safe."""
-        gated_activation_backward(grad_h, a, b, activation, da_rows=_rows(a), db_rows=_rows(b))
+        gated_activation_backward(grad_h, a, b, activation, da=a, db=b)
 
     @backward_inplace.register_fake
     def _backward_inplace_fake(grad_h, a, b):
@@ -327,8 +370,7 @@ def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
     @liger_custom_op(f"{name}_backward_recompute", mutates_args=("grad_h",))
     def backward_recompute(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(da, db)`` as ``backward``, and ``h = act(a) * b`` written over ``grad_h`` (contiguous)."""
-        da_rows, db_rows = gated_activation_backward(grad_h, a, b, activation, store_h=True)
-        return da_rows.view(a.shape), db_rows.view(b.shape)
+        return gated_activation_backward(grad_h, a, b, activation, store_h=True)
 
     @backward_recompute.register_fake
     def _backward_recompute_fake(grad_h, a, b):
@@ -337,7 +379,7 @@ def make_gated_ops(name: str, activation: int) -> SimpleNamespace:
     @liger_custom_op(f"{name}_backward_recompute_inplace", mutates_args=("grad_h", "a", "b"))
     def backward_recompute_inplace(grad_h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """da over a, db over b and h over ``grad_h`` (contiguous); the caller has checked a/b."""
-        gated_activation_backward(grad_h, a, b, activation, da_rows=_rows(a), db_rows=_rows(b), store_h=True)
+        gated_activation_backward(grad_h, a, b, activation, da=a, db=b, store_h=True)
 
     @backward_recompute_inplace.register_fake
     def _backward_recompute_inplace_fake(grad_h, a, b):
@@ -384,20 +426,34 @@ def gated_function_forward(ctx, ops: SimpleNamespace, a: torch.Tensor, b: torch.
     if not isinstance(in_place, bool):
         raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
     # Evaluated here, on the forward's inputs, because leaf-ness is lost in the saved tensors.
-    ctx.in_place = in_place and not torch.compiler.is_compiling() and _in_place_is_safe(a, b)
+    ctx.in_place = in_place and not torch.compiler.is_compiling() and not a.is_meta and _in_place_is_safe(a, b)
     ctx.save_for_backward(a, b)
     return ops.forward(a, b)
 
 
-def gated_function_backward(ctx, ops: SimpleNamespace, grad_h: torch.Tensor):
-    """Shared body of the backward: ``(da, db)``, written over a and b when ``ctx.in_place``."""
-    a, b = ctx.saved_tensors
+def _unpack_saved(ctx) -> Tuple[Tuple[torch.Tensor, ...], bool]:
+    """``(ctx.saved_tensors, in_place)``: whether the backward writes da/db over the saved
+    ``a``/``b``: asked for, safe in layout (checked in the forward) and, now, nobody else
+    holding their memory (a hook that kept the gate or up activation, also as
+    ``.detach()``/``.data``)."""
     if ctx.in_place and not torch.compiler.is_compiling():
+        return unpack_private_activations(ctx)
+    return ctx.saved_tensors, False
+
+
+def _mark_overwritten(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    # Readers of the old values (a second backward with retain_graph) now fail loudly.
+    torch.autograd.graph.increment_version(a)
+    torch.autograd.graph.increment_version(b)
+    return a.detach(), b.detach()
+
+
+def gated_function_backward(ctx, ops: SimpleNamespace, grad_h: torch.Tensor):
+    """Shared body of the backward: ``(da, db)``, written over a and b where :func:`_unpack_saved` allows."""
+    (a, b), in_place = _unpack_saved(ctx)
+    if in_place:
         ops.backward_inplace(grad_h, a, b)
-        # Readers of the old values (a second backward with retain_graph) now fail loudly.
-        torch.autograd.graph.increment_version(a)
-        torch.autograd.graph.increment_version(b)
-        return a.detach(), b.detach()
+        return _mark_overwritten(a, b)
     return ops.backward(grad_h, a, b)
 
 
@@ -470,7 +526,7 @@ class LigerGatedDownProjFunction(torch.autograd.Function):
         check_same_device([("a", a), ("weight", weight), ("bias", bias)])
         ops = GATED_OPS[activation]
         ctx.activation = activation
-        ctx.in_place = in_place and not torch.compiler.is_compiling() and _in_place_is_safe(a, b)
+        ctx.in_place = in_place and not torch.compiler.is_compiling() and not a.is_meta and _in_place_is_safe(a, b)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(a, b, weight, bias)
         h = ops.forward(a, b)
@@ -479,17 +535,15 @@ class LigerGatedDownProjFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
-        a, b, weight, bias = ctx.saved_tensors
+        (a, b, weight, bias), in_place = _unpack_saved(ctx)
         ops = GATED_OPS[ctx.activation]
         n_out = weight.shape[0]
         dy = grad_y.reshape(-1, n_out)
         # dh is a fresh contiguous (N, I) product: the kernel may overwrite it with h.
         dh = dy @ _linear_weight_for(weight, dy.dtype)
-        if ctx.in_place and not torch.compiler.is_compiling():
+        if in_place:
             ops.backward_recompute_inplace(dh, a, b)
-            torch.autograd.graph.increment_version(a)
-            torch.autograd.graph.increment_version(b)
-            da, db = a.detach(), b.detach()
+            da, db = _mark_overwritten(a, b)
         else:
             da, db = ops.backward_recompute(dh, a, b)
         h = dh

@@ -28,8 +28,8 @@ from liger_kernel.transformers.swiglu import gated_down_projection
 def liger_geglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``gelu_tanh(a) * b`` for ``a``, ``b`` of one shape (..., I) and dtype.
 
-    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients; only
-    pass it when nothing else uses them afterwards (see :mod:`liger_kernel.ops.swiglu`).
+    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients where
+    nothing else holds them (checked at backward time; see :mod:`liger_kernel.ops.swiglu`).
     """
     return LigerGELUMulFunction.apply(a, b, in_place)
 

@@ -5,7 +5,8 @@ Both compute ``down_proj(silu(gate) * up)`` with the gating in one Triton kernel
 input dtype, where HF rounds ``silu(gate)`` and the product separately (at most about one
 output ulp apart). The backward recomputes silu from the saved gate and up projections and,
 with ``in_place=True`` (the default here), writes their gradients over those two temporaries
-instead of allocating new ones. With a plain ``nn.Linear`` down projection the gated product
+instead of allocating new ones, unless something else still holds them (a forward hook that
+kept a projection's output, or ``.detach()``/``.data`` of it): then it allocates them. With a plain ``nn.Linear`` down projection the gated product
 is not saved for the down projection's backward either (:func:`gated_down_projection`).
 Needs only torch and triton.
 """
@@ -26,8 +27,8 @@ from liger_kernel.transformers.recompute import has_only_recompute_hooks
 def liger_swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``silu(a) * b`` for ``a``, ``b`` of one shape (..., I) and dtype.
 
-    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients; only
-    pass it when nothing else uses them afterwards (see :mod:`liger_kernel.ops.swiglu`).
+    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients where
+    nothing else holds them (checked at backward time; see :mod:`liger_kernel.ops.swiglu`).
     """
     return LigerSiLUMulFunction.apply(a, b, in_place)
 
