@@ -4,7 +4,12 @@ See :mod:`liger_kernel.ops.grpo_loss` for the math. :func:`triton_grpo_loss` fol
 best-known implementation's function of that name (arguments, defaults, return values).
 """
 
-from liger_kernel.ops.grpo_loss import fused_selective_log_softmax, grpo_loss, selective_log_softmax, token_entropy
+from liger_kernel.ops.grpo_loss import (
+    fused_selective_log_softmax,
+    grpo_loss,
+    selective_log_softmax,
+    token_entropy,
+)
 
 __all__ = ["fused_selective_log_softmax", "selective_log_softmax", "token_entropy", "triton_grpo_loss"]
 
