@@ -52,6 +52,7 @@ from liger_kernel.ops.vocab_rows import (
     check_distribution_pair,
     check_labels,
     counted_rows,
+    gradient_buffer,
     is_meta,
     run_launcher,
 )
@@ -152,8 +153,8 @@ def jsd_forward(
     n_rows, n_cols = input.shape
     device = input.device
     loss_rows = torch.empty(n_rows, device=device, dtype=torch.float32)
-    dx = torch.empty_like(input) if compute_input_grad else input.new_empty((0,))
-    dy = torch.empty_like(target) if compute_target_grad else target.new_empty((0,))
+    dx = gradient_buffer(input, compute_input_grad)
+    dy = gradient_buffer(target, compute_target_grad)
     count = counted_rows(labels, ignore_index, n_rows, device)
     if n_rows:
         config = launch_config(JSDConfig, n_cols)
@@ -174,9 +175,7 @@ def jsd_forward(
 @jsd_forward.register_fake
 def _jsd_forward_fake(input, target, labels, beta, ignore_index, compute_input_grad, compute_target_grad):
     loss = input.new_empty((), dtype=torch.float32)
-    dx = input.new_empty(input.shape) if compute_input_grad else input.new_empty((0,))
-    dy = target.new_empty(target.shape) if compute_target_grad else target.new_empty((0,))
-    return loss, dx, dy
+    return loss, gradient_buffer(input, compute_input_grad), gradient_buffer(target, compute_target_grad)
 
 
 def check_beta(beta: object) -> float:

@@ -36,6 +36,8 @@ from liger_kernel.ops.vocab_rows import (
     as_vocab_rows,
     check_devices,
     check_distribution_pair,
+    gradient_buffer,
+    loss_output,
     run_launcher,
 )
 
@@ -118,10 +120,7 @@ def kl_div_forward(input: torch.Tensor, target: torch.Tensor, elementwise: bool,
     """Launcher: the (N, V) elements in the input's dtype (``elementwise``) or the float32 (N,)
     row sums, for (N, V) rows with unit column stride. Arguments are trusted."""
     n_rows, n_cols = input.shape
-    if elementwise:
-        out = torch.empty((n_rows, n_cols), device=input.device, dtype=input.dtype)
-    else:
-        out = torch.empty(n_rows, device=input.device, dtype=torch.float32)
+    out = loss_output(input, elementwise)
     if n_rows:
         config = launch_config(KLDivConfig, n_cols)
         launch_kernel(_kl_div_forward_kernel, (n_rows,), input, input.stride(0), target, target.stride(0), out,
@@ -132,9 +131,7 @@ def kl_div_forward(input: torch.Tensor, target: torch.Tensor, elementwise: bool,
 
 @kl_div_forward.register_fake
 def _kl_div_forward_fake(input, target, elementwise, log_target, eps):
-    if elementwise:
-        return input.new_empty(input.shape)
-    return input.new_empty(input.shape[:1], dtype=torch.float32)
+    return loss_output(input, elementwise)
 
 
 @liger_custom_op("kl_div_backward")
@@ -145,10 +142,8 @@ def kl_div_backward(input: torch.Tensor, target: torch.Tensor, grad_output: torc
     input's dtype or an empty placeholder. ``grad_output`` is one element (the reduced loss's
     gradient, multiplied by ``grad_scale``) or (N, V) rows (``"none"``)."""
     n_rows, n_cols = input.shape
-    dx = torch.empty((n_rows, n_cols), device=input.device, dtype=input.dtype) if compute_input_grad \
-        else input.new_empty((0,))
-    dt = torch.empty((n_rows, n_cols), device=target.device, dtype=target.dtype) if compute_target_grad \
-        else target.new_empty((0,))
+    dx = gradient_buffer(input, compute_input_grad)
+    dt = gradient_buffer(target, compute_target_grad)
     if n_rows:
         config = launch_config(KLDivConfig, n_cols)
         per_element = grad_output.numel() != 1
@@ -164,9 +159,7 @@ def kl_div_backward(input: torch.Tensor, target: torch.Tensor, grad_output: torc
 @kl_div_backward.register_fake
 def _kl_div_backward_fake(input, target, grad_output, grad_scale, log_target, eps, compute_input_grad,
                           compute_target_grad):
-    dx = input.new_empty(input.shape) if compute_input_grad else input.new_empty((0,))
-    dt = target.new_empty(target.shape) if compute_target_grad else target.new_empty((0,))
-    return dx, dt
+    return gradient_buffer(input, compute_input_grad), gradient_buffer(target, compute_target_grad)
 
 
 def _reduction_denominator(shape: torch.Size, reduction: str) -> float:

@@ -35,6 +35,8 @@ from liger_kernel.ops.vocab_rows import (
     check_distribution_pair,
     check_labels,
     counted_rows,
+    gradient_buffer,
+    loss_output,
     run_launcher,
 )
 
@@ -110,10 +112,7 @@ def tvd_forward(p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None, i
                 elementwise: bool) -> torch.Tensor:
     """Launcher: the (N, V) elements in p's dtype (``elementwise``) or the float32 (N,) row sums."""
     n_rows, n_cols = p.shape
-    if elementwise:
-        out = torch.empty((n_rows, n_cols), device=p.device, dtype=p.dtype)
-    else:
-        out = torch.empty(n_rows, device=p.device, dtype=torch.float32)
+    out = loss_output(p, elementwise)
     if n_rows:
         config = launch_config(TVDConfig, n_cols)
         launch_kernel(_tvd_forward_kernel, (n_rows,), p, p.stride(0), q, q.stride(0),
@@ -125,9 +124,7 @@ def tvd_forward(p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None, i
 
 @tvd_forward.register_fake
 def _tvd_forward_fake(p, q, labels, ignore_index, elementwise):
-    if elementwise:
-        return p.new_empty(p.shape)
-    return p.new_empty(p.shape[:1], dtype=torch.float32)
+    return loss_output(p, elementwise)
 
 
 @liger_custom_op("tvd_backward")
@@ -136,8 +133,8 @@ def tvd_backward(p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None, 
                  compute_q_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: ``(dl/dp, dl/dq)``, fresh contiguous (N, V) tensors (or empty placeholders)."""
     n_rows, n_cols = p.shape
-    dp = torch.empty((n_rows, n_cols), device=p.device, dtype=p.dtype) if compute_p_grad else p.new_empty((0,))
-    dq = torch.empty((n_rows, n_cols), device=q.device, dtype=q.dtype) if compute_q_grad else q.new_empty((0,))
+    dp = gradient_buffer(p, compute_p_grad)
+    dq = gradient_buffer(q, compute_q_grad)
     if n_rows:
         config = launch_config(TVDConfig, n_cols)
         per_element = reduction == "none"
@@ -154,9 +151,7 @@ def tvd_backward(p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None, 
 
 @tvd_backward.register_fake
 def _tvd_backward_fake(p, q, labels, grad_output, count, ignore_index, reduction, compute_p_grad, compute_q_grad):
-    dp = p.new_empty(p.shape) if compute_p_grad else p.new_empty((0,))
-    dq = q.new_empty(q.shape) if compute_q_grad else q.new_empty((0,))
-    return dp, dq
+    return gradient_buffer(p, compute_p_grad), gradient_buffer(q, compute_q_grad)
 
 
 class LigerTVDLossFunction(torch.autograd.Function):

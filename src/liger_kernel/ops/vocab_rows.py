@@ -120,3 +120,17 @@ def as_vocab_rows(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[1] > 1 and rows.stride(1) != 1 or rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]:
         rows = rows.contiguous()
     return rows
+
+
+def loss_output(x: torch.Tensor, elementwise: bool) -> torch.Tensor:
+    """The forward's output buffer for (N, V) rows ``x``: the elements in ``x``'s dtype (a
+    ``"none"`` reduction) or float32 row sums (N,). Also the fake implementations' result."""
+    if elementwise:
+        return x.new_empty(x.shape)
+    return x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+def gradient_buffer(x: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """A fresh contiguous buffer of ``x``'s shape and dtype for its gradient, or an empty
+    placeholder where that gradient is not wanted. Also the fake implementations' result."""
+    return x.new_empty(x.shape) if wanted else x.new_empty((0,))
