@@ -107,16 +107,17 @@ def _selective_log_softmax_kernel(logits_ptr, stride_b, stride_l, ids_ptr, ids_s
 @triton.jit
 def _selective_log_softmax_backward_kernel(logits_ptr, stride_b, stride_l, ids_ptr, ids_stride_b, ids_stride_l,
                                            mask_ptr, mask_stride_b, mask_stride_l, grad_logp_ptr, grad_entropy_ptr,
-                                           lse_ptr, entropy_ptr, dx_ptr, n_positions, n_cols, inv_temperature,
+                                           lse_ptr, entropy_ptr, dx_ptr, dx_stride_b, dx_stride_l, n_positions, n_cols,
+                                           inv_temperature,
                                            HAS_IDS: tl.constexpr, HAS_MASK: tl.constexpr,
                                            HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                                            ROUND_BY_HAND: tl.constexpr):
-    """dL/dx of one row (zeros for a masked row) into the contiguous (B * L, V) ``dx``."""
+    """dL/dx of one row (zeros for a masked row) into ``dx`` (B, L, V) with unit column stride."""
     row = tl.program_id(0).to(tl.int64)
     b = row // n_positions
     pos = row % n_positions
     offsets = tl.arange(0, BLOCK_SIZE)
-    dx_row = dx_ptr + row * n_cols
+    dx_row = dx_ptr + b * dx_stride_b + pos * dx_stride_l
     skip = False
     if HAS_MASK:
         skip = tl.load(mask_ptr + b * mask_stride_b + pos * mask_stride_l) == 0
@@ -187,11 +188,16 @@ def _selective_log_softmax_forward_fake(logits, ids, mask, temperature, compute_
 @liger_custom_op("selective_log_softmax_backward")
 def selective_log_softmax_backward(logits: torch.Tensor, ids: torch.Tensor | None, mask: torch.Tensor | None,
                                    grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None,
-                                   lse: torch.Tensor, entropy: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Launcher: dL/dlogits, a fresh contiguous tensor of the logits' shape and dtype. ``ids``
-    without ``grad_logp`` (or the reverse) is not used; ``grad_*`` are contiguous (B, L)."""
+                                   lse: torch.Tensor, entropy: torch.Tensor, temperature: float,
+                                   extra_positions: int) -> torch.Tensor:
+    """Launcher: dL/dlogits, a fresh contiguous (B, L + extra_positions, V) tensor of the
+    logits' dtype whose last ``extra_positions`` positions (logits the loss did not read) are
+    zero. ``ids`` without ``grad_logp`` (or the reverse) is not used; ``grad_*`` are
+    contiguous (B, L)."""
     n_batch, n_positions, n_cols = logits.shape
-    dx = torch.empty((n_batch, n_positions, n_cols), device=logits.device, dtype=logits.dtype)
+    dx = torch.empty((n_batch, n_positions + extra_positions, n_cols), device=logits.device, dtype=logits.dtype)
+    if extra_positions:
+        dx[:, n_positions:].zero_()
     n_rows = n_batch * n_positions
     if n_rows:
         config = launch_config(SelectiveLogSoftmaxConfig, n_cols)
@@ -201,6 +207,7 @@ def selective_log_softmax_backward(logits: torch.Tensor, ids: torch.Tensor | Non
             ids if has_ids else lse, *_strides3(ids if has_ids else None),
             mask if mask is not None else lse, *_strides3(mask),
             grad_logp if has_ids else lse, grad_entropy if grad_entropy is not None else lse, lse, entropy, dx,
+            dx.stride(0), dx.stride(1),
             n_positions, n_cols, 1.0 / temperature,
             HAS_IDS=has_ids, HAS_MASK=mask is not None, HAS_ENTROPY_GRAD=grad_entropy is not None,
             BLOCK_SIZE=config.block_size, ROUND_BY_HAND=is_interpreter(), num_warps=config.num_warps,
@@ -209,8 +216,10 @@ def selective_log_softmax_backward(logits: torch.Tensor, ids: torch.Tensor | Non
 
 
 @selective_log_softmax_backward.register_fake
-def _selective_log_softmax_backward_fake(logits, ids, mask, grad_logp, grad_entropy, lse, entropy, temperature):
-    return logits.new_empty(logits.shape)
+def _selective_log_softmax_backward_fake(logits, ids, mask, grad_logp, grad_entropy, lse, entropy, temperature,
+                                         extra_positions):
+    n_batch, n_positions, n_cols = logits.shape
+    return logits.new_empty((n_batch, n_positions + extra_positions, n_cols))
 
 
 def _check_temperature(temperature: object) -> float:
@@ -247,15 +256,21 @@ def _check_ids_range(ids: torch.Tensor, mask: torch.Tensor | None, n_cols: int) 
 class LigerSelectiveLogSoftmaxFunction(torch.autograd.Function):
     """Per-token log-probability of ``input_ids`` and entropy under ``softmax(logits / T)``.
 
-    ``forward(ctx, logits, input_ids, temperature=1.0, mask=None, compute_entropy=False)``:
-    ``logits`` (..., V) float, ``input_ids`` (...) integer (or None: entropy only), ``mask``
-    (...) (0 marks a position to skip) or None. Returns ``(logp, entropy)``, float32 of the
-    leading shape; ``entropy`` is zeros unless ``compute_entropy``. Both are differentiable
-    (see the module docstring); masked positions give 0 and no gradient.
+    ``forward(ctx, logits, input_ids, temperature=1.0, mask=None, compute_entropy=False,
+    drop_last_position=False)``: ``logits`` (..., V) float, ``input_ids`` (...) integer (or
+    None: entropy only), ``mask`` (...) (0 marks a position to skip) or None. Returns
+    ``(logp, entropy)``, float32 of the leading shape; ``entropy`` is zeros unless
+    ``compute_entropy``. Both are differentiable (see the module docstring); masked positions
+    give 0 and no gradient.
+
+    ``drop_last_position``: ``logits`` are (B, L + 1, V) as a causal LM returns them with one
+    position more than the ``input_ids`` (B, L) it scores; the last position is not read, and
+    its gradient is zero. The gradient is then written straight into a buffer of the full
+    logits' shape, instead of a (B, L, V) one that autograd would pad into a second.
     """
 
     @staticmethod
-    def forward(ctx, logits, input_ids, temperature=1.0, mask=None, compute_entropy=False):
+    def forward(ctx, logits, input_ids, temperature=1.0, mask=None, compute_entropy=False, drop_last_position=False):
         check_float_dtype(logits, "logits")
         if logits.dim() < 1 or logits.shape[-1] < 1:
             raise ValueError(f"logits must have a non-empty last dimension (the vocabulary), got {tuple(logits.shape)}")
@@ -263,19 +278,22 @@ class LigerSelectiveLogSoftmaxFunction(torch.autograd.Function):
             raise ValueError("give input_ids, compute_entropy=True, or both")
         check_devices([("logits", logits), ("input_ids", input_ids), ("mask", mask)])
         temperature = _check_temperature(temperature)
-        lead = logits.shape[:-1]
+        if drop_last_position and (logits.dim() != 3 or logits.shape[1] < 1):
+            raise ValueError(f"drop_last_position needs logits (B, L + 1, V), got shape {tuple(logits.shape)}")
+        lead = logits.shape[:-1] if not drop_last_position else (logits.shape[0], logits.shape[1] - 1)
         _check_index_like(input_ids, lead, "input_ids", integer=True)
         _check_index_like(mask, lead, "mask", integer=False)
         if mask is not None and mask.dtype == torch.bool:
             mask = mask.to(torch.uint8)
         if input_ids is not None:
             _check_ids_range(input_ids, mask, logits.shape[-1])
-        rows3, ids2, mask2 = _as_positions(logits, input_ids, mask)
+        rows3, ids2, mask2 = _as_positions(logits, input_ids, mask, drop_last_position)
         logp, entropy, lse = run_launcher(selective_log_softmax_forward, rows3, ids2, mask2, temperature,
                                           bool(compute_entropy))
         ctx.save_for_backward(logits, input_ids, mask, lse, entropy)
         ctx.temperature = temperature
         ctx.compute_entropy = bool(compute_entropy)
+        ctx.drop_last_position = bool(drop_last_position)
         if input_ids is None:
             ctx.mark_non_differentiable(logp)
         if not compute_entropy:
@@ -287,8 +305,8 @@ class LigerSelectiveLogSoftmaxFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         logits, input_ids, mask, lse, entropy = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return (None,) * 5
-        rows3, ids2, mask2 = _as_positions(logits, input_ids, mask)
+            return (None,) * 6
+        rows3, ids2, mask2 = _as_positions(logits, input_ids, mask, ctx.drop_last_position)
         shape2 = rows3.shape[:2]
         if input_ids is None:
             grad_logp = None
@@ -297,16 +315,18 @@ class LigerSelectiveLogSoftmaxFunction(torch.autograd.Function):
         grad_logp = None if grad_logp is None else grad_logp.reshape(shape2).float().contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.reshape(shape2).float().contiguous()
         dx = run_launcher(selective_log_softmax_backward, rows3, ids2, mask2, grad_logp, grad_entropy, lse,
-                          entropy, ctx.temperature)
-        return dx.view(logits.shape), None, None, None, None
+                          entropy, ctx.temperature, int(ctx.drop_last_position))
+        return dx.view(logits.shape), None, None, None, None, None
 
 
-def _as_positions(logits, ids, mask):
+def _as_positions(logits, ids, mask, drop_last_position=False):
     """Views as (B, L, V) logits with unit column stride and (B, L) ids / mask (a copy only
-    where the leading dimensions cannot be merged)."""
+    where the leading dimensions cannot be merged); without the last position if asked."""
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
         logits = logits.contiguous()
-    if logits.dim() == 3:
+    if drop_last_position:
+        rows3 = logits[:, :-1]
+    elif logits.dim() == 3:
         rows3 = logits
     elif logits.dim() == 1:
         rows3 = logits.view(1, 1, -1)
@@ -325,13 +345,13 @@ def selective_log_softmax(logits: torch.Tensor, input_ids: torch.Tensor, tempera
 
     ``logits`` (..., V), ``input_ids`` (...) aligned with them (no shift), ``mask`` (...) or None.
     """
-    logp, entropy = LigerSelectiveLogSoftmaxFunction.apply(logits, input_ids, temperature, mask, return_entropy)
+    logp, entropy = LigerSelectiveLogSoftmaxFunction.apply(logits, input_ids, temperature, mask, return_entropy, False)
     return (logp, entropy) if return_entropy else logp
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable per-token entropy of ``softmax(logits / T)``, float32 of the leading shape."""
-    return LigerSelectiveLogSoftmaxFunction.apply(logits, None, temperature, mask, True)[1]
+    return LigerSelectiveLogSoftmaxFunction.apply(logits, None, temperature, mask, True, False)[1]
 
 
 @torch.no_grad()
@@ -354,7 +374,7 @@ def fused_selective_log_softmax(logits: torch.Tensor, input_ids: torch.Tensor, t
     ids = input_ids[:, input_ids.shape[1] - n_positions:]
     if mask is not None:
         mask = mask[:, mask.shape[1] - n_positions:]
-    logp, _ = LigerSelectiveLogSoftmaxFunction.apply(logits[:, :n_positions], ids, temperature, mask, False)
+    logp, _ = LigerSelectiveLogSoftmaxFunction.apply(logits, ids, temperature, mask, False, True)
     return logp
 
 
@@ -460,7 +480,7 @@ def grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, completion
                          f"{tuple(completion_ids.shape)}")
     mask = (torch.ones_like(completion_ids, dtype=torch.float32) if completion_mask is None
             else completion_mask.float())
-    logp = selective_log_softmax(logits[:, :n_positions], completion_ids, temperature, completion_mask)
+    logp, _ = LigerSelectiveLogSoftmaxFunction.apply(logits, completion_ids, temperature, completion_mask, False, True)
     loss, kl, clipped = grpo_per_token_terms(
         logp, old_logp, ref_logp, advantages, mask, float(beta), float(eps_low), float(eps_high), loss_type,
         importance_sampling_level, float(sapo_temperature_pos), float(sapo_temperature_neg), vllm_is_ratio)
