@@ -104,3 +104,22 @@ def test_jsd_rejects_bad_arguments():
         LigerJSDFunction.apply(x, x, torch.zeros(2, dtype=torch.long, device=DEVICE), 0.5, IGNORE)
     with pytest.raises(TypeError, match="shift_labels"):
         LigerJSDFunction.apply(x, x, torch.zeros(3, device=DEVICE), 0.5, IGNORE)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_jsd_teacher_zero_probabilities_contribute_their_limit(beta):
+    # A teacher with some tokens at probability exactly 0 (log-probability -inf), as after
+    # masking its vocabulary: those terms are 0 in the limit, where 0 * -inf would give NaN.
+    x = _log_probs((4, 45), torch.float32).requires_grad_()
+    logits = 2.0 * torch.randn(4, 45, device=DEVICE)
+    logits[:, ::3] = float("-inf")
+    y = logits.log_softmax(-1)
+    loss = LigerJSDFunction.apply(x, y, None, beta, IGNORE)
+    loss.backward()
+    x64 = x.detach().double().requires_grad_()
+    finite = y.double().clamp_min(-1e4)  # exp(-1e4) is 0 in float64: the same limit, no NaN
+    expected = jsd_reference(x64, finite, None, beta)
+    expected.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    assert_close(loss, expected, torch.float32, scale=20)
+    assert_close(x.grad, x64.grad, torch.float32)

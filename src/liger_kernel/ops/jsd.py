@@ -80,9 +80,11 @@ def _jsd_terms(x, y, log_beta, log_one_minus_beta, beta, MODE: tl.constexpr):
     else:
         a = x + log_one_minus_beta
         b = y + log_beta
+        # logaddexp(a, b) = max + log(1 + exp(-|a - b|)): one exp instead of two. Both -inf
+        # (probability 0 on both sides) gives -inf; the terms below are then 0.
         m = tl.maximum(a, b)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        log_m = m + tl.log(tl.exp(a - m) + tl.exp(b - m))
+        gap = tl.where(m == float("-inf"), 0.0, tl.abs(a - b))
+        log_m = m + tl.log(1.0 + tl.exp(-gap))
         dx = tl.where(q > 0.0, (1.0 - beta) * q * (x - log_m), 0.0)
         dy = tl.where(p > 0.0, beta * p * (y - log_m), 0.0)
         return dx, dy, dx + dy
