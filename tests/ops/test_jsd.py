@@ -123,3 +123,14 @@ def test_jsd_teacher_zero_probabilities_contribute_their_limit(beta):
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     assert_close(loss, expected, torch.float32, scale=20)
     assert_close(x.grad, x64.grad, torch.float32)
+
+
+def test_launch_config_heuristic_search_space_and_validation():
+    config = JSDConfig.heuristic(128256)
+    assert config.block_size & (config.block_size - 1) == 0 and config.block_size <= 128256
+    assert len(set(JSDConfig.search_space(128256))) > 1
+    with pytest.raises(ValueError, match="power of two"):
+        JSDConfig(block_size=48, num_warps=4)
+    with pytest.raises(TypeError):
+        with override_launch_config(JSDConfig, block=64):
+            pass

@@ -83,3 +83,13 @@ def test_tvd_rejects_bad_arguments():
         LigerTVDLossFunction.apply(p, p, None, "avg", IGNORE)
     with pytest.raises(ValueError, match="shift_labels"):
         LigerTVDLossFunction.apply(p, p, torch.zeros(5, dtype=torch.long, device=DEVICE), "sum", IGNORE)
+
+
+def test_tvd_ignored_rows_may_hold_anything():
+    p = _probs((4, 21), torch.float32)
+    q = _probs((4, 21), torch.float32).detach().clone()
+    q[1] = float("nan")  # e.g. an uninitialised padding row
+    labels = torch.tensor([3, IGNORE, 5, 7], device=DEVICE)
+    loss = LigerTVDLossFunction.apply(p, q, labels, "sum", IGNORE)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(p.grad).all() and torch.count_nonzero(p.grad[1]) == 0

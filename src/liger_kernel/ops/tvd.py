@@ -64,7 +64,9 @@ def _tvd_forward_kernel(p_ptr, p_stride, q_ptr, q_stride, label_ptr, out_ptr, ou
         mask = cols < n_cols
         p = tl.load(p_ptr + row * p_stride + cols, mask=mask, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + row * q_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        element = tl.where(keep > 0.0, 0.5 * tl.abs(p - q), 0.0)
+        element = 0.5 * tl.abs(p - q)
+        if HAS_LABELS:  # where, not a product: whatever an ignored row holds (NaN) stays out
+            element = tl.where(keep > 0.0, element, 0.0)
         if ELEMENTWISE:
             element = round_to_dtype(element, out_ptr.dtype.element_ty, ROUND_BY_HAND)
             tl.store(out_ptr + row * out_stride + cols, element.to(out_ptr.dtype.element_ty), mask=mask)
@@ -98,7 +100,9 @@ def _tvd_backward_kernel(p_ptr, p_stride, q_ptr, q_stride, label_ptr, g_ptr, g_s
         p = tl.load(p_ptr + row * p_stride + cols, mask=mask, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + row * q_stride + cols, mask=mask, other=0.0).to(tl.float32)
         sign = tl.where(p > q, 1.0, tl.where(p < q, -1.0, 0.0))
-        dp = tl.where(keep > 0.0, 0.5 * g * sign, 0.0)
+        dp = 0.5 * g * sign
+        if HAS_LABELS:
+            dp = tl.where(keep > 0.0, dp, 0.0)
         if COMPUTE_DP:
             dp_out = round_to_dtype(dp, dp_ptr.dtype.element_ty, ROUND_BY_HAND)
             tl.store(dp_ptr + row * n_cols + cols, dp_out.to(dp_ptr.dtype.element_ty), mask=mask)
