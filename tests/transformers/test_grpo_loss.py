@@ -59,3 +59,22 @@ def test_triton_grpo_loss_reduced_returns_loss_and_metrics():
     ref_loss, _, _, _ = grpo_loss_reference(logits.detach().double(), old.double(), ref.double(), ids,
                                             advantages.double(), mask, loss_type="grpo")
     assert_close(loss, ref_loss, torch.float32, scale=20)
+
+
+def test_traces_as_one_graph():
+    from liger_kernel.ops.grpo_loss import selective_log_softmax
+    from liger_kernel.transformers import triton_grpo_loss
+
+    def step(logits, old, ref, ids, advantages, mask):
+        per_token, _, _ = triton_grpo_loss(logits, old, ref, ids, advantages, mask)
+        logp, entropy = selective_log_softmax(logits[:, 1:], ids, 0.7, mask, return_entropy=True)
+        return (per_token * mask).sum() / mask.sum() + 0.1 * logp.sum() - 0.01 * entropy.sum()
+
+    args = _inputs()
+    logits = args[0]
+    eager = step(*args)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    traced = torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
+    (traced_grad,) = torch.autograd.grad(traced, logits)
+    assert_close(traced, eager, torch.float32)
+    assert_close(traced_grad, eager_grad, torch.float32)

@@ -39,3 +39,20 @@ def test_functional_default_is_half_mixture():
     x = torch.randn(4, 17, device=DEVICE).log_softmax(-1)
     y = torch.randn(4, 17, device=DEVICE).log_softmax(-1)
     assert_close(liger_jsd(x, y), jsd_reference(x.double(), y.double(), None, 0.5), torch.float32, scale=20)
+
+
+def test_traces_as_one_graph():
+    from liger_kernel.transformers import liger_jsd
+
+    def step(logits, teacher, labels):
+        return liger_jsd(logits.log_softmax(-1), teacher, labels, 0.3)
+
+    logits = torch.randn(6, 37, device=DEVICE, requires_grad=True)
+    teacher = torch.randn(6, 37, device=DEVICE).log_softmax(-1)
+    labels = torch.tensor([1, -100, 2, 3, -100, 4], device=DEVICE)
+    eager = step(logits, teacher, labels)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    traced = torch.compile(step, backend="aot_eager", fullgraph=True)(logits, teacher, labels)
+    (traced_grad,) = torch.autograd.grad(traced, logits)
+    assert_close(traced, eager, torch.float32)
+    assert_close(traced_grad, eager_grad, torch.float32)

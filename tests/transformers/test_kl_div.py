@@ -42,3 +42,21 @@ def test_functional_follows_torch_defaults_and_legacy_flags():
     assert_close(liger_kl_div(x, t), F.kl_div(x.double(), t.double()), torch.float32, scale=20)
     assert_close(liger_kl_div(x, t, size_average=False), F.kl_div(x.double(), t.double(), reduction="sum"),
                  torch.float32, scale=20)
+
+
+def test_traces_as_one_graph():
+    from liger_kernel.transformers import LigerKLDIVLoss
+
+    loss_fn = LigerKLDIVLoss(reduction="batchmean", log_target=True)
+
+    def step(logits, target):
+        return loss_fn(logits.log_softmax(-1), target)
+
+    logits = torch.randn(5, 29, device=DEVICE, requires_grad=True)
+    target = torch.randn(5, 29, device=DEVICE).log_softmax(-1)
+    eager = step(logits, target)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    traced = torch.compile(step, backend="aot_eager", fullgraph=True)(logits, target)
+    (traced_grad,) = torch.autograd.grad(traced, logits)
+    assert_close(traced, eager, torch.float32)
+    assert_close(traced_grad, eager_grad, torch.float32)

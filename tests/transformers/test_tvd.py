@@ -37,3 +37,20 @@ def test_functional_default_is_mean():
     p = torch.randn(3, 11, device=DEVICE).softmax(-1)
     q = torch.randn(3, 11, device=DEVICE).softmax(-1)
     assert_close(liger_tvd(p, q), tvd_reference(p.double(), q.double(), reduction="mean"), torch.float32, scale=20)
+
+
+def test_traces_as_one_graph():
+    from liger_kernel.transformers import liger_tvd
+
+    def step(logits, q, labels):
+        return liger_tvd(logits.softmax(-1), q, labels, "batchmean")
+
+    logits = torch.randn(5, 29, device=DEVICE, requires_grad=True)
+    q = torch.randn(5, 29, device=DEVICE).softmax(-1)
+    labels = torch.tensor([1, -100, 2, 3, 4], device=DEVICE)
+    eager = step(logits, q, labels)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    traced = torch.compile(step, backend="aot_eager", fullgraph=True)(logits, q, labels)
+    (traced_grad,) = torch.autograd.grad(traced, logits)
+    assert_close(traced, eager, torch.float32)
+    assert_close(traced_grad, eager_grad, torch.float32)
