@@ -9,6 +9,12 @@ _EXPORTS = {
     "LigerGatedDownProjFunction": "swiglu",
     "LigerCrossEntropyFunction": "cross_entropy",
     "LigerFusedLinearCrossEntropyFunction": "fused_linear_cross_entropy",
+    "LigerJSDFunction": "jsd",
+    "LigerKLDivLossFunction": "kl_div",
+    "LigerTVDLossFunction": "tvd",
+    "LigerSelectiveLogSoftmaxFunction": "grpo_loss",
+    "GrpoLossFunction": "grpo_loss",
+    "fused_selective_log_softmax": "grpo_loss",
 }
 
 __all__ = list(_EXPORTS)

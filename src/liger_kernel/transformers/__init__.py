@@ -15,6 +15,13 @@ _EXPORTS = {
     "LigerGEGLUMLP": "geglu",
     "LigerCrossEntropyLoss": "cross_entropy",
     "LigerFusedLinearCrossEntropyLoss": "fused_linear_cross_entropy",
+    "LigerJSD": "jsd",
+    "liger_jsd": "jsd",
+    "LigerKLDIVLoss": "kl_div",
+    "liger_kl_div": "kl_div",
+    "LigerTVDLoss": "tvd",
+    "liger_tvd": "tvd",
+    "triton_grpo_loss": "grpo_loss",
     # patching (needs transformers)
     "apply_liger_kernel_to_llama": "monkey_patch",
     "apply_liger_kernel_to_mistral": "monkey_patch",

@@ -7,18 +7,24 @@ autograd Functions are equally safe to call directly.
 from liger_kernel.transformers.cross_entropy import liger_cross_entropy
 from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 from liger_kernel.transformers.geglu import liger_geglu
+from liger_kernel.transformers.jsd import liger_jsd
+from liger_kernel.transformers.kl_div import liger_kl_div
 from liger_kernel.transformers.layer_norm import liger_layer_norm
 from liger_kernel.transformers.rms_norm import liger_rms_norm
 from liger_kernel.transformers.rope import liger_rope, liger_rotary_pos_emb
 from liger_kernel.transformers.swiglu import liger_swiglu
+from liger_kernel.transformers.tvd import liger_tvd
 
 __all__ = [
     "liger_cross_entropy",
     "liger_fused_linear_cross_entropy",
     "liger_geglu",
+    "liger_jsd",
+    "liger_kl_div",
     "liger_layer_norm",
     "liger_rms_norm",
     "liger_rope",
     "liger_rotary_pos_emb",
     "liger_swiglu",
+    "liger_tvd",
 ]
