@@ -1,7 +1,6 @@
 """Check the cross-entropy kernel's launch settings for correctness and speed on a GPU.
 
-For each setting (rows shared by programs at CE_SPLIT_BLOCK columns each, or one program per
-row with CE_MAX_BLOCK / CE_PROGRAMS_PER_SM): per-row loss and the gradient against float64
+For each CrossEntropyConfig setting (column block, programs per SM, lane width): per-row loss and the gradient against float64
 ``F.cross_entropy`` at fp32 and bf16, then the median time of the in-place forward (which
 computes the gradient) at N 8192, V 128256 bf16. A setting whose results are wrong must never
 become a default, however fast it is. Last, the default kernel captured in a CUDA graph and
@@ -15,8 +14,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-import liger_kernel.ops.cross_entropy as ce_ops
-from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+from liger_kernel.ops.config import override_launch_config
+from liger_kernel.ops.cross_entropy import CrossEntropyConfig, LigerCrossEntropyFunction
 
 
 def worst_errors(n, v, dtype):
@@ -35,15 +34,14 @@ def worst_errors(n, v, dtype):
 
 def time_ms(n=8192, v=128256):
     pristine = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
-    logits = pristine.clone().requires_grad_()
     target = torch.randint(0, v, (n,), device="cuda")
     times = []
     for i in range(12):
-        with torch.no_grad():
-            logits.copy_(pristine)
+        # Popped from the list inside the call: a temporary, so the gradient overwrites it.
+        pending = [pristine.clone().requires_grad_()]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        LigerCrossEntropyFunction.apply(logits, target)
+        LigerCrossEntropyFunction.apply(pending.pop(), target)
         end.record()
         torch.cuda.synchronize()
         if i >= 2:
@@ -52,9 +50,8 @@ def time_ms(n=8192, v=128256):
 
 
 SETTINGS = [
-    *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b} for b in (16384, 32768)),
-    {"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": 8192, "CE_SPLIT_NUM_WARPS": 4, "CE_SPLIT_PROGRAMS_PER_SM": 4},
-    *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": 4} for b in (16384, 32768)),
+    *({"max_block": b, "programs_per_sm": p} for b in (16384, 32768) for p in (1, 2, 4)),
+    {"max_block": 32768, "programs_per_sm": 4, "lane_width": 32768},  # per-block statistics
 ]
 
 
@@ -81,19 +78,14 @@ def graph_replay_matches(n=1024, v=128256):
 
 def main():
     for setting in SETTINGS:
-        old = {k: getattr(ce_ops, k) for k in setting}
-        for k, v in setting.items():
-            setattr(ce_ops, k, v)
-        errors = [worst_errors(4099, 32003, torch.float32), worst_errors(1024, 128256, torch.float32),
-                  worst_errors(4099, 32003, torch.bfloat16)]
-        ok = errors[0][0] < 1e-3 and errors[1][0] < 1e-3 and errors[2][0] < 1e-2 and all(e[1] < 1e-2 for e in errors)
-        split = ce_ops.row_split(128256, 2, torch.device("cuda"))
-        print(f"{setting} (programs per 128256-row: {split}): "
-              f"max |loss err| fp32 {errors[0][0]:.2e} / {errors[1][0]:.2e}, bf16 {errors[2][0]:.2e}; "
-              f"max |grad err| {max(e[1] for e in errors):.2e} -> {'OK' if ok else 'WRONG'}; "
-              f"time {time_ms():.3f} ms", flush=True)
-        for k, v in old.items():
-            setattr(ce_ops, k, v)
+        with override_launch_config(CrossEntropyConfig, **setting):
+            errors = [worst_errors(4099, 32003, torch.float32), worst_errors(1024, 128256, torch.float32),
+                      worst_errors(4099, 32003, torch.bfloat16)]
+            ok = (errors[0][0] < 1e-3 and errors[1][0] < 1e-3 and errors[2][0] < 1e-2
+                  and all(e[1] < 1e-2 for e in errors))
+            print(f"{setting}: max |loss err| fp32 {errors[0][0]:.2e} / {errors[1][0]:.2e}, bf16 {errors[2][0]:.2e}; "
+                  f"max |grad err| {max(e[1] for e in errors):.2e} -> {'OK' if ok else 'WRONG'}; "
+                  f"time {time_ms():.3f} ms", flush=True)
     print(f"CUDA graph replay of the default kernel equals eager: {graph_replay_matches()}", flush=True)
 
 

@@ -72,11 +72,13 @@ class FusedLinearCrossEntropyConfig(LaunchConfig):
     floor the 96 MiB minimum exceeds 10% of it: lower ``chunk_budget_bytes`` to trade that
     memory back for time. Chunks of at least ``chunk_row_multiple`` rows are rounded down to
     a multiple of it (tensor-core friendly GEMM shapes), smaller ones to a power of two.
+    ``max_chunk_rows`` caps the chunk (None: no cap), e.g. to run many chunks on small shapes.
     """
 
     chunk_budget_bytes: int = 96 * 2**20
     chunk_floor_fraction: float = 0.085
     chunk_row_multiple: int = 64
+    max_chunk_rows: int | None = None
 
     @classmethod
     @functools.cache
@@ -118,6 +120,8 @@ def chunk_rows_for(n_rows: int, n_cols: int, element_size: int, floor_bytes: int
         rows -= rows % config.chunk_row_multiple
     else:
         rows = 1 << (rows.bit_length() - 1)
+    if config.max_chunk_rows is not None:
+        rows = min(rows, config.max_chunk_rows)
     return max(1, min(rows, n_rows))
 
 
