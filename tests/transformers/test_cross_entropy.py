@@ -131,3 +131,16 @@ def test_options_are_one_validated_value():
         LigerFusedLinearCrossEntropyLoss(label_smoothing=1.5)
     with pytest.raises(TypeError, match="ignore_index"):
         LigerCrossEntropyLoss(ignore_index=-100.5)
+
+
+def test_loss_dtype_float32_is_hf_causal_lm_loss():
+    """``loss_dtype=torch.float32`` (the patched causal-LM loss) gives HF's float32 loss, which
+    upcasts the logits: not a bf16-rounded value."""
+    logits = (torch.randn(16, 200, device=DEVICE) * 3).bfloat16()
+    target = torch.randint(0, 200, (16,), device=DEVICE)
+    hf = nn.functional.cross_entropy(logits.float(), target)
+    ours = liger_cross_entropy(logits, target, in_place=False, loss_dtype=torch.float32)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, hf, rtol=2e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="loss_dtype"):
+        liger_cross_entropy(logits, target, loss_dtype=torch.int64)

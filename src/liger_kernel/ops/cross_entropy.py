@@ -536,8 +536,12 @@ def _cross_entropy_forward_fake(logits, target, class_weight, ignore_index, labe
     return (*reduced, grad)
 
 
-def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, overwrite: bool):
-    """The forward of both autograd Functions; ``overwrite``: the logits may take the gradient."""
+def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, overwrite: bool,
+                   loss_dtype: torch.dtype | None = None):
+    """The forward of both autograd Functions; ``overwrite``: the logits may take the gradient;
+    ``loss_dtype``: the dtype of the loss (None: the logits', as torch's)."""
+    if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
+        raise TypeError(f"loss_dtype must be None or a floating-point torch.dtype, got {loss_dtype!r}")
     check_float_dtype(logits, "input")
     if logits.dim() != 2:
         raise ValueError(f"input (logits) must be 2-D (N, V), got shape {tuple(logits.shape)}")
@@ -562,8 +566,9 @@ def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, ov
         grad = logits  # the kernel wrote the gradient over the logits
     ctx.compute_grad = compute_grad
     ctx.save_for_backward(grad if compute_grad else None)
-    # torch's dtype for the loss: computed in float32, rounded once here.
-    loss, z_loss = loss.to(logits.dtype), z_loss.to(logits.dtype)
+    # torch's dtype for the loss (unless asked otherwise): computed in float32, rounded once here.
+    loss_dtype = loss_dtype or logits.dtype
+    loss, z_loss = loss.to(loss_dtype), z_loss.to(loss_dtype)
     ctx.mark_non_differentiable(z_loss, accuracy)
     return loss, z_loss, accuracy
 
@@ -618,14 +623,14 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
 
 class CrossEntropyFunction(LigerCrossEntropyFunction):
     """:class:`LigerCrossEntropyFunction` for callers holding validated options:
-    ``apply(logits, target, weight, options, in_place, limits)``, where ``limits`` are the
-    reference counts of a temporary passed through the caller's entry point
+    ``apply(logits, target, weight, options, in_place, limits, loss_dtype=None)``, where
+    ``limits`` are the reference counts of a temporary passed through the caller's entry point
     (:func:`~liger_kernel.ops.loss_options.calibrate_entry`)."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, options, in_place, limits):
+    def forward(ctx, logits, target, weight, options, in_place, limits, loss_dtype=None):
         overwrite = bool(in_place) and logits_unshared(logits, limits)
-        return _cross_entropy(ctx, logits, target, weight, options, overwrite)
+        return _cross_entropy(ctx, logits, target, weight, options, overwrite, loss_dtype)
 
 
 # Reference counts of a temporary passed straight to LigerCrossEntropyFunction.apply (None

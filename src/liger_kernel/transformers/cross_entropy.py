@@ -25,8 +25,8 @@ __all__ = ["CrossEntropyLossBase", "CrossEntropyOptions", "CrossEntropyOutput", 
            "liger_cross_entropy"]
 
 
-def _cross_entropy(input, target, weight, options: CrossEntropyOptions, in_place: bool, limits):
-    loss, z_loss, accuracy = CrossEntropyFunction.apply(input, target, weight, options, in_place, limits)
+def _cross_entropy(input, target, weight, options: CrossEntropyOptions, in_place: bool, limits, loss_dtype=None):
+    loss, z_loss, accuracy = CrossEntropyFunction.apply(input, target, weight, options, in_place, limits, loss_dtype)
     return options.outputs(loss, z_loss, accuracy)
 
 
@@ -42,6 +42,7 @@ def liger_cross_entropy(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     in_place: bool = True,
+    loss_dtype: torch.dtype | None = None,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross entropy of logits ``input`` (N, V) against class indices ``target`` (N,).
 
@@ -58,10 +59,12 @@ def liger_cross_entropy(
     * ``in_place`` (default True): the gradient is computed now and written over ``input``
       when nothing else can read it (a temporary such as ``lm_head(h).view(-1, V)``);
       logits the caller holds, or a hook kept, get a fresh gradient buffer instead. False:
-      never overwrite.
+      never overwrite;
+    * ``loss_dtype``: the dtype of the loss and z-loss; None (default) gives ``input``'s
+      dtype, as torch's (computed in float32 either way). ``torch.float32`` gives what HF's
+      causal-LM loss returns, which upcasts the logits first.
 
-    The loss has ``input``'s dtype, as torch's (computed in float32). A "mean" over
-    all-ignored targets is 0 with zero gradient (torch returns NaN). Raises
+    A "mean" over all-ignored targets is 0 with zero gradient (torch returns NaN). Raises
     ``ValueError``/``TypeError`` on bad shapes, dtypes or target values outside ``[0, V)``
     (that value check syncs once with the device in eager mode and is skipped under
     ``torch.compile``, where a bad target gives a NaN loss). Meta tensors give meta outputs.
@@ -69,7 +72,7 @@ def liger_cross_entropy(
     options = CrossEntropyOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                   lse_square_scale=lse_square_scale, softcap=softcap, reduction=reduction,
                                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
-    return _cross_entropy(input, target, weight, options, in_place, _FUNCTIONAL_LIMITS)
+    return _cross_entropy(input, target, weight, options, in_place, _FUNCTIONAL_LIMITS, loss_dtype)
 
 
 def _option_property(name: str) -> property:
