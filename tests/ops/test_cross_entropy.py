@@ -241,6 +241,18 @@ def saved_gradient_pointers():
                                                               lambda t: t)
 
 
+def temporary_of(x, made):
+    """A function returning a fresh ``x * 1.0`` that nothing else references, recording its
+    data pointer in ``made``."""
+
+    def temporary():
+        t = x * 1.0
+        made.append(t.data_ptr())
+        return t
+
+    return temporary
+
+
 ENTRY_POINTS = {
     "functional": lambda logits, target: liger_cross_entropy(logits, target, label_smoothing=0.1),
     "module": LigerCrossEntropyLoss(label_smoothing=0.1),
@@ -257,12 +269,7 @@ def test_overwrites_only_a_temporary(entry):
     x = logits.clone().requires_grad_()
     pointers, hook = saved_gradient_pointers()
     made = []
-
-    def temporary():
-        t = x * 1.0
-        made.append(t.data_ptr())
-        return t
-
+    temporary = temporary_of(x, made)
     # Called directly: a wrapper such as ENTRY_POINTS' lambdas holds the tensor too, so the
     # saving is (rightly) not taken through it.
     with hook:
@@ -300,10 +307,12 @@ def test_second_use_of_held_logits_gives_torch_value(entry):
     assert_grad_close(x.grad, ref.grad, torch.float32, extra=1e-7)
 
 
-@pytest.mark.parametrize("keep", ["hook_keeps_output", "hook_keeps_detached_alias", "base_of_a_view"])
+@pytest.mark.parametrize("keep", ["hook_keeps_output", "hook_keeps_detached_alias", "base_of_a_view",
+                                  "loss_module_forward_hook"])
 def test_logits_someone_else_can_read_are_not_overwritten(keep):
-    """A forward hook that keeps the logits (or a ``.detach()`` alias of them), or the tensor
-    they are a view of, still reads the logits' values afterwards; the gradient is right."""
+    """A forward hook that keeps the logits (or a ``.detach()`` alias of them), the tensor they
+    are a view of, or a forward hook of the loss module itself (which receives the logits only
+    after the loss ran) still reads the logits' values afterwards; the gradient is right."""
     logits, target = make_inputs(6, 300, torch.float32)
     x = logits.clone().requires_grad_()
     head = torch.nn.Identity()
@@ -311,6 +320,10 @@ def test_logits_someone_else_can_read_are_not_overwritten(keep):
     if keep == "base_of_a_view":
         kept.append((x * 1.0).view(2, 3, 300))
         loss = liger_cross_entropy(kept[0].view(6, 300), target)
+    elif keep == "loss_module_forward_hook":
+        loss_fn = LigerCrossEntropyLoss()
+        loss_fn.register_forward_hook(lambda module, args, out: kept.append(args[0]))
+        loss = loss_fn(x * 1.0, target)
     else:
         detach = keep == "hook_keeps_detached_alias"
         head.register_forward_hook(lambda module, args, out: kept.append(out.detach() if detach else out))
@@ -327,12 +340,7 @@ def test_in_place_false_never_overwrites():
     x = logits.clone().requires_grad_()
     pointers, hook = saved_gradient_pointers()
     made = []
-
-    def temporary():
-        t = x * 1.0
-        made.append(t.data_ptr())
-        return t
-
+    temporary = temporary_of(x, made)
     with hook:
         loss = liger_cross_entropy(temporary(), target, in_place=False, label_smoothing=0.1)
     assert made[0] not in pointers

@@ -75,6 +75,20 @@ def liger_cross_entropy(
     return _cross_entropy(input, target, weight, options, in_place, _FUNCTIONAL_LIMITS, loss_dtype)
 
 
+def _hooks_see_inputs(module: nn.Module) -> bool:
+    """Whether hooks of ``module`` (its own or global) may read its inputs after its forward:
+    a forward hook receives them once the forward returns, when no reference count can tell
+    it will; backward hooks wrap them. Unknown (torch keeps its global hooks elsewhere): yes."""
+    from torch.nn.modules import module as module_impl
+
+    global_hooks = [getattr(module_impl, name, None) for name in
+                    ("_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")]
+    if any(hooks is None for hooks in global_hooks):
+        return True
+    own_hooks = (module._forward_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(bool(hooks) for hooks in (*own_hooks, *global_hooks))
+
+
 def _option_property(name: str) -> property:
     def get(self):
         return getattr(self.options, name)
@@ -132,7 +146,8 @@ class LigerCrossEntropyLoss(CrossEntropyLossBase):
         self.in_place = in_place
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Union[torch.Tensor, CrossEntropyOutput]:
-        return _cross_entropy(input, target, self.weight, self.options, self.in_place, _MODULE_LIMITS)
+        in_place = self.in_place and not _hooks_see_inputs(self)
+        return _cross_entropy(input, target, self.weight, self.options, in_place, _MODULE_LIMITS)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, in_place={self.in_place}"
