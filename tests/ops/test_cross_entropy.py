@@ -241,16 +241,21 @@ def saved_gradient_pointers():
                                                               lambda t: t)
 
 
-def temporary_of(x, made):
-    """A function returning a fresh ``x * 1.0`` that nothing else references, recording its
-    data pointer in ``made``."""
+def temporary_setup():
+    """bf16 logits and targets, a leaf ``x`` holding the logits, the saved-gradient pointer
+    hook, and ``temporary()``: a fresh ``x * 1.0`` that nothing else references, whose data
+    pointer it records in ``made``."""
+    logits, target = make_inputs(9, 1007, torch.bfloat16)
+    x = logits.clone().requires_grad_()
+    pointers, hook = saved_gradient_pointers()
+    made = []
 
     def temporary():
         t = x * 1.0
         made.append(t.data_ptr())
         return t
 
-    return temporary
+    return logits, target, x, pointers, hook, made, temporary
 
 
 ENTRY_POINTS = {
@@ -265,11 +270,7 @@ def test_overwrites_only_a_temporary(entry):
     """The memory saving is taken for a temporary (nothing else can read it): the gradient
     the loss keeps for backward is the logits' own memory. The gradient is right either way."""
     loss_fn = ENTRY_POINTS[entry]
-    logits, target = make_inputs(9, 1007, torch.bfloat16)
-    x = logits.clone().requires_grad_()
-    pointers, hook = saved_gradient_pointers()
-    made = []
-    temporary = temporary_of(x, made)
+    logits, target, x, pointers, hook, made, temporary = temporary_setup()
     # Called directly: a wrapper such as ENTRY_POINTS' lambdas holds the tensor too, so the
     # saving is (rightly) not taken through it.
     with hook:
@@ -336,11 +337,7 @@ def test_logits_someone_else_can_read_are_not_overwritten(keep):
 
 
 def test_in_place_false_never_overwrites():
-    logits, target = make_inputs(9, 1007, torch.bfloat16)
-    x = logits.clone().requires_grad_()
-    pointers, hook = saved_gradient_pointers()
-    made = []
-    temporary = temporary_of(x, made)
+    logits, target, x, pointers, hook, made, temporary = temporary_setup()
     with hook:
         loss = liger_cross_entropy(temporary(), target, in_place=False, label_smoothing=0.1)
     assert made[0] not in pointers
