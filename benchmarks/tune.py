@@ -1,9 +1,9 @@
 """``python -m benchmarks.tune``: sweep the kernels' launch tunables at the target shapes.
 
-Each op's launch parameters are module-level constants (``CE_PROGRAMS_PER_SM``,
-``FLCE_CHUNK_BUDGET_BYTES``, ``ROW_NORM_*``) or a frozen ``LaunchConfig`` whose
-``search_space`` proposes the candidates (RoPE, the gated activations). This script applies
-each candidate in turn (``override_launch_config`` for configurations), times the Liger op (forward + backward, median, L2 flushed) with the same
+Each op keeps its launch parameters as a frozen configuration (``CrossEntropyConfig``,
+``FusedLinearCrossEntropyConfig``, ...; ops not yet converted: module-level constants such as
+``ROW_NORM_*``, ``ROPE_*``). This script puts each candidate in force in turn
+(``override_launch_config``, or the constant), times the Liger op (forward + backward, median, L2 flushed) with the same
 harness as ``python -m benchmarks``, records peak extra memory, and writes ``tune.csv``
 with one row per (op, setting). The numbers decide the committed defaults; the tunables
 change the schedule only, never the result (the test suite checks several of them).
@@ -32,7 +32,6 @@ import torch
 
 from benchmarks import bench_cross_entropy, bench_gated_mlp, bench_norms, bench_rope
 from benchmarks.harness import (
-    MIB,
     TimingConfig,
     measure_hardware,
     mode_callables,
@@ -68,6 +67,7 @@ def _applied(target: Any, setting: dict[str, Any]):
 def _config_candidates(config_cls: type[LaunchConfig], *problem: int) -> list[dict[str, Any]]:
     """The fields of each configuration ``config_cls.search_space(*problem)`` proposes."""
     return [dataclasses.asdict(config) for config in config_cls.search_space(*problem)]
+
 
 
 def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.device,
@@ -129,7 +129,8 @@ def _time_component(fn: Callable[[], Any], device: torch.device, cfg: TimingConf
 def _chunk_parts(rows: int, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                  grad_weight: torch.Tensor) -> dict[str, Callable[[], Any]]:
     """The per-chunk work of the fused linear cross entropy, one callable per step."""
-    from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel, mean_denominators
+    from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
+    from liger_kernel.ops.loss_options import mean_denominators
 
     v, d = weight.shape
     logits = torch.empty(rows, v, device=x.device, dtype=x.dtype)
@@ -184,6 +185,7 @@ def flce_chunk_loss_kernel(settings: list[dict[str, Any]], device: torch.device,
     N 8192's chunk at the 96 MiB budget) and on a whole N 8192 batch, per CE setting: the
     chunk has fewer rows than the GPU holds programs, so its best launch may differ."""
     from liger_kernel.ops import cross_entropy as ce_ops
+    from liger_kernel.ops.loss_options import mean_denominators
 
     v = 128256
     for rows in (384, 8192):
@@ -191,22 +193,20 @@ def flce_chunk_loss_kernel(settings: list[dict[str, Any]], device: torch.device,
         grad = torch.empty_like(logits)  # out of place: every timed call sees the same logits
         target = torch.randint(0, v, (rows,), device=device)
         loss, z_loss, correct = (torch.empty(rows, device=device) for _ in range(3))
-        ce_den, z_den, _ = ce_ops.mean_denominators(target, None, -100, v)
+        ce_den, z_den, _ = mean_denominators(target, None, -100, v)
         floor_ms = 3 * logits.numel() * logits.element_size() / 4.27e9  # read twice, write once
         for setting in settings:
             if time.perf_counter() > deadline:
                 print("flce_chunk_loss_kernel: time limit reached, rest skipped", flush=True)
                 return
-            old = _set(ce_ops, setting)
             try:
-                ms = _time_component(functools.partial(
-                    ce_ops.launch_cross_entropy_kernel, logits, grad, target, None, None, loss, z_loss, correct,
-                    ce_den, z_den, -100, 0.0, 0.0, 0.0, True, True, False), device, cfg)
+                with override_launch_config(ce_ops.CrossEntropyConfig, **setting):
+                    ms = _time_component(functools.partial(
+                        ce_ops.launch_cross_entropy_kernel, logits, grad, target, None, None, loss, z_loss, correct,
+                        ce_den, z_den, -100, 0.0, 0.0, 0.0, True, True, False), device, cfg)
                 status = f"ok; 3-pass floor at 4.27 TB/s {floor_ms:.4f} ms"
             except Exception as exc:  # a setting may exceed a resource limit; record, go on
                 ms, status = float("nan"), f"error: {type(exc).__name__}: {str(exc)[:120]}"
-            finally:
-                _set(ce_ops, old)
             text = f"rows={rows} " + " ".join(f"{k}={val}" for k, val in setting.items())
             print(f"flce_chunk_loss_kernel {text}: {ms:.4f} ms ({status})", flush=True)
             writer.writerow({"op": "flce_chunk_loss_kernel", "setting": text, "median_ms": f"{ms:.5f}",
@@ -245,7 +245,7 @@ def flce_grad_weight_forms(device: torch.device, cfg: TimingConfig, writer: csv.
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,cross_entropy_lanes,flce,"
+    p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,flce,"
                                               "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_looped,norm_forward_warps,norm_forward_rows,layer_norm_forward,"
                                               "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope,swiglu,geglu "
                                               "(default: all)")
@@ -380,26 +380,14 @@ def main(argv: list[str] | None = None) -> int:
         if want("cross_entropy_grid"):
             # Fewer rows in flight than one per SM: does pass 2's re-read start hitting L2?
             spec = specs["cross_entropy"]
-            _sweep("cross_entropy", ce_ops, [
-                {"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
-                for b in (16384, 32768) for p in (0.25, 0.5, 0.75, 1)
-            ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
-        if want("cross_entropy_lanes"):
-            # Pass-1 lane width (CE_MAX_BLOCK = per-block statistics) by block and programs per SM.
-            spec = specs["cross_entropy"]
-            _sweep("cross_entropy", ce_ops, [
-                {"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p, "CE_LANE_WIDTH": w}
-                for b, p in ((32768, 1), (32768, 2), (16384, 2), (8192, 4), (8192, 8)) for w in (8, 32, b)
+            _sweep("cross_entropy", ce_ops.CrossEntropyConfig, [
+                {"max_block": b, "programs_per_sm": p} for b in (16384, 32768) for p in (0.25, 0.5, 0.75, 1)
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("cross_entropy"):
             spec = specs["cross_entropy"]
-            # The two-pass kernel at one or two programs per SM and two column blocks, against
-            # the row-split path's best. (L2 eviction hints on the two passes were tried on
-            # 2026-12-03: 1.94-1.95 ms against 1.885 ms without; removed.)
-            bests["cross_entropy"] = _sweep("cross_entropy", ce_ops, [
-                {"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": 32768},
-                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
-                  for b in (16384, 32768) for p in (1, 2)),
+            bests["cross_entropy"] = _sweep("cross_entropy", ce_ops.CrossEntropyConfig, [
+                {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+                for c in ce_ops.CrossEntropyConfig.search_space()
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("rope"):
             spec = specs["rope"]
@@ -415,10 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                                    deadline)
         if want("flce_loss_kernel"):
             flce_chunk_loss_kernel([
-                *({"CE_SPLIT_ROWS": False, "CE_MAX_BLOCK": b, "CE_PROGRAMS_PER_SM": p}
-                  for b in (8192, 16384, 32768) for p in (1, 2, 4, 8)),
-                *({"CE_SPLIT_ROWS": True, "CE_SPLIT_BLOCK": b, "CE_SPLIT_PROGRAMS_PER_SM": p}
-                  for b in (8192, 16384, 32768) for p in (1, 2)),
+                {"max_block": b, "programs_per_sm": p} for b in (8192, 16384, 32768) for p in (1, 2, 4, 8)
             ], device, cfg, writer, deadline)
         if want("flce_grad_weight_forms"):
             flce_grad_weight_forms(device, cfg, writer)
@@ -426,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
         if want("flce"):
             spec = specs["fused_linear_cross_entropy"]
-            _sweep("fused_linear_cross_entropy", flce_ops, {
-                "FLCE_CHUNK_BUDGET_BYTES": tuple(m * MIB for m in (64, 96, 128, 192, 256, 512)),
-            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+            _sweep("fused_linear_cross_entropy", flce_ops.FusedLinearCrossEntropyConfig, [
+                {"chunk_budget_bytes": c.chunk_budget_bytes}
+                for c in flce_ops.FusedLinearCrossEntropyConfig.search_space()
+            ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
     print(f"CSV: {args.out / 'tune.csv'}")
     if args.emit_best is not None:
         # rms_norm and layer_norm share the ROW_NORM_* tunables: RMSNorm's sweep decides them.

@@ -29,13 +29,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
+from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.fused_linear_cross_entropy import (
+    FusedLinearCrossEntropyConfig,
     LigerFusedLinearCrossEntropyFunction,
     chunk_rows_for,
 )
 from liger_kernel.ops.launch import is_interpreter
+from liger_kernel.reference.losses import cross_entropy as reference_cross_entropy
 from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
-from tests.ops.test_cross_entropy import assert_grad_close, assert_loss_close, reference_cross_entropy
+from tests.ops.test_cross_entropy import assert_grad_close, assert_loss_close
 from tests.utils import DEVICE, FULL_SHAPES, shapes, target_onehot_coefficients
 
 SHAPES = shapes(
@@ -53,9 +56,10 @@ OPTION_SETS = {
 
 
 @pytest.fixture
-def four_row_chunks(monkeypatch):
+def four_row_chunks():
     """Chunks of 4 rows, so small problems cross several chunk boundaries (and a ragged last one)."""
-    monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda n_rows, n_cols, size, *_: min(4, max(1, n_rows)))
+    with override_launch_config(FusedLinearCrossEntropyConfig, max_chunk_rows=4):
+        yield
 
 
 def make_problem(n_rows, hidden, vocab, dtype, with_bias, ignore_index=-100, ignore_fraction=0.25):
@@ -217,16 +221,16 @@ def run_and_compare(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
-def test_matches_torch(n_rows, hidden, vocab, dtype, reduction, options, monkeypatch):
-    if vocab < 1024 or not FULL_SHAPES:
-        # Small problems use 8-row chunks to cross chunk boundaries; full shapes the real budget.
-        monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda rows, cols, size, *_: min(8, max(1, rows)))
+def test_matches_torch(n_rows, hidden, vocab, dtype, reduction, options):
+    # Small problems use 8-row chunks to cross chunk boundaries; full shapes the real budget.
+    small = vocab < 1024 or not FULL_SHAPES
     options = dict(OPTION_SETS[options])
     with_bias = options.pop("with_bias")
     x, weight, bias, target = make_problem(
         n_rows, hidden, vocab, dtype, with_bias, ignore_index=options.get("ignore_index", -100)
     )
-    run_and_compare(x, weight, bias, target, reduction=reduction, **options)
+    with override_launch_config(FusedLinearCrossEntropyConfig, max_chunk_rows=8 if small else None):
+        run_and_compare(x, weight, bias, target, reduction=reduction, **options)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -242,7 +246,8 @@ def test_partial_grads(reduction, requires, monkeypatch, four_row_chunks):
         def fail(*args):
             raise AssertionError("dW must not be computed for a frozen weight")
 
-        monkeypatch.setattr(flce_ops, "_accumulate_grad_weight", fail)
+        # Fault injection (no configuration can say "never called").
+        monkeypatch.setattr(flce_ops, "accumulate_grad_weight", fail)
     run_and_compare(x, weight, bias, target, reduction=reduction, label_smoothing=0.1, requires=requires)
 
 
@@ -367,9 +372,9 @@ def test_empty_batch():
     assert x.grad.shape == (0, 8) and (weight.grad == 0).all()
 
 
-def test_chunk_rows_for_budget(monkeypatch):
-    monkeypatch.setattr(flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 96 * 2**20)
-    monkeypatch.setattr(flce_ops, "FLCE_CHUNK_FLOOR_FRACTION", 0.085)
+def test_chunk_rows_for_budget():
+    config = FusedLinearCrossEntropyConfig.heuristic()
+    assert (config.chunk_budget_bytes, config.chunk_floor_fraction) == (96 * 2**20, 0.085)
     rows = chunk_rows_for(8192, 128256, 2)
     assert rows == 384 and rows * 128256 * 2 <= 96 * 2**20
     assert chunk_rows_for(8192, 262144, 2) == 192  # 96 MiB, rounded to a multiple of 64
@@ -381,8 +386,10 @@ def test_chunk_rows_for_budget(monkeypatch):
     assert rows == 320 and rows * 262144 * 2 <= 0.085 * floor
     # The target shape's floor (1066 MiB) keeps the 96 MiB minimum.
     assert chunk_rows_for(8192, 128256, 2, 128256 * 4096 * 2 + 8192 * 4096 * 2) == 384
-    monkeypatch.setattr(flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 100 * 1007 * 4)
-    assert chunk_rows_for(1000, 1007, 4) == 64
+    with override_launch_config(FusedLinearCrossEntropyConfig, chunk_budget_bytes=100 * 1007 * 4):
+        assert chunk_rows_for(1000, 1007, 4) == 64
+    with override_launch_config(FusedLinearCrossEntropyConfig, max_chunk_rows=5):
+        assert chunk_rows_for(1000, 1007, 4) == 5
 
 
 def test_bad_arguments_raise():
@@ -558,11 +565,10 @@ def test_past_int32_rows_times_vocab():
 
 @pytest.mark.parametrize("bad", [-1, 10, 2**40])
 @pytest.mark.parametrize("class_weights", [False, True])
-def test_bad_target_raises_after_the_chunks_without_touching_inputs(monkeypatch, bad, class_weights):
+def test_bad_target_raises_after_the_chunks_without_touching_inputs(bad, class_weights, four_row_chunks):
     """The range check's verdict is awaited after the chunk loop is queued (so the GPU is
     not drained first): a bad target in a later chunk still raises, naming the index, and
     leaves the inputs and any existing weight gradient untouched."""
-    monkeypatch.setattr(flce_ops, "FLCE_CHUNK_BUDGET_BYTES", 4 * 10 * 4)  # chunks of 4 rows
     x, weight, _, target = make_problem(11, 8, 10, torch.float32, False)
     target[9] = bad
     weight = weight.detach().requires_grad_(True)

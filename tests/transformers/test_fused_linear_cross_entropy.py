@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
+from liger_kernel.ops.config import override_launch_config
+from liger_kernel.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyConfig
 from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 from liger_kernel.transformers.cross_entropy import CrossEntropyOutput
 from tests.ops.test_cross_entropy import assert_grad_close, assert_loss_close
@@ -13,8 +14,9 @@ from tests.utils import DEVICE
 
 
 @pytest.fixture(autouse=True)
-def _small_chunks(monkeypatch):
-    monkeypatch.setattr(flce_ops, "chunk_rows_for", lambda n_rows, n_cols, size, *_: min(5, max(1, n_rows)))
+def _small_chunks():
+    with override_launch_config(FusedLinearCrossEntropyConfig, max_chunk_rows=5):
+        yield
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

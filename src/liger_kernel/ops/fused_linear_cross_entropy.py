@@ -15,11 +15,12 @@ per chunk, ``Z_c = X_c W^T (+ b)`` (cuBLAS, written into the reused buffer), the
 cross-entropy kernel overwrites ``Z_c`` with ``G_c`` in place, then ``dX_c = G_c W`` is
 written into its rows of dX and ``dW += G_c^T X_c`` is accumulated in place (``addmm_``,
 ``beta = 1``; the first chunk writes dW outright) into a preallocated dW, so no temporary
-of dW's size appears. ``C`` is what fits the larger of :data:`FLCE_CHUNK_BUDGET_BYTES` and
-:data:`FLCE_CHUNK_FLOOR_FRACTION` of the dW + dX bytes: each chunk re-reads and re-writes dW,
-so time falls as ``C`` grows and memory rises. The mean's denominators are computed once for
-the whole batch on the device, so the chunk loop never syncs with the host; the target range
-check (which must sync to raise) is awaited only after the loop is queued.
+of dW's size appears. ``C`` is what fits the larger of ``chunk_budget_bytes`` and
+``chunk_floor_fraction`` of the dW + dX bytes (:class:`FusedLinearCrossEntropyConfig`): each
+chunk re-reads and re-writes dW, so time falls as ``C`` grows and memory rises. The mean's
+denominators are computed once for the whole batch on the device, so the chunk loop never
+syncs with the host; the target range check (which must sync to raise) is awaited only after
+the loop is queued.
 
 For ``"mean"``/``"sum"`` these gradients are computed in the forward pass and backward
 only multiplies them by the (scalar) upstream gradient. For ``"none"`` the upstream
@@ -27,57 +28,78 @@ gradient ``g`` (N,) is only known in backward and dW depends on it non-separably
 (``dW = sum_i g_i G_i^T X_i``), so the forward computes only the losses and backward
 recomputes each chunk's logits with ``G_i`` scaled by ``g_i`` inside the kernel.
 
+The loss is float32 whatever the input dtype: this loss replaces HF's causal-LM loss, which
+upcasts the logits to float32 before its cross entropy, so its loss is float32 too.
+
 Memory beyond the gradients themselves: the (C, V) chunk buffer plus O(N + V).
+
+The pieces (:func:`chunk_rows_for`, :func:`accumulate_grad_weight`,
+:func:`~liger_kernel.ops.scaling.scale_gradient`) are shared by other chunked losses.
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
-from liger_kernel.ops.cross_entropy import (
+from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
+from liger_kernel.ops.launch import liger_custom_op
+from liger_kernel.ops.loss_options import (
+    CrossEntropyOptions,
     check_class_weight,
-    check_ignore_index,
-    check_loss_options,
-    launch_cross_entropy_kernel,
+    is_meta,
     mean_denominators,
+    reduce_rows,
     start_target_check,
 )
-from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.scaling import scale_gradient
 
-# Bytes of the (C, V) chunk logits buffer (module-level tunables): the larger of
-# FLCE_CHUNK_BUDGET_BYTES and FLCE_CHUNK_FLOOR_FRACTION of the memory floor (the bytes of
-# the dW and dX this call computes). Every chunk re-reads and re-writes all of dW in its
-# update, so the chunk must stay deep where dW is large; the fraction keeps peak memory
-# within 1.10x of the floor there. 96 MiB is 9% of the N=8192, D=4096, V=128256 bf16
-# floor (1066 MiB): a reduction depth C of 384 rows. H200 sweep (session 9, V=262144,
-# D=4096, N=8192): 128-row chunks took 176 ms against HF eager's 100 ms. Below a ~1.1 GiB
-# floor the 96 MiB minimum exceeds 10% of it (peak up to 1.7x a 133 MiB floor, ~94 MiB over
-# it): lower FLCE_CHUNK_BUDGET_BYTES to trade that memory back for time.
-FLCE_CHUNK_BUDGET_BYTES = 96 * 2**20
-FLCE_CHUNK_FLOOR_FRACTION = 0.085
 
-# Chunks of at least this many rows are rounded down to a multiple of it (tensor-core
-# friendly GEMM shapes); smaller ones to a power of two.
-FLCE_CHUNK_ROW_MULTIPLE = 64
+@dataclasses.dataclass(frozen=True)
+class FusedLinearCrossEntropyConfig(LaunchConfig):
+    """Chunk sizing of the fused linear cross entropy (see :func:`chunk_rows_for`).
 
+    The (C, V) chunk buffer gets the larger of ``chunk_budget_bytes`` and
+    ``chunk_floor_fraction`` of the memory floor (the bytes of the dW and dX the call
+    computes). Every chunk re-reads and re-writes all of dW in its update, so the chunk must
+    stay deep where dW is large; the fraction keeps peak memory within 1.10x of the floor
+    there. 96 MiB is 9% of the N=8192, D=4096, V=128256 bf16 floor (1066 MiB), a chunk of
+    384 rows; 128-row chunks are much slower (``docs/performance.md``). Below a ~1.1 GiB
+    floor the 96 MiB minimum exceeds 10% of it: lower ``chunk_budget_bytes`` to trade that
+    memory back for time. Chunks of at least ``chunk_row_multiple`` rows are rounded down to
+    a multiple of it (tensor-core friendly GEMM shapes), smaller ones to a power of two.
+    ``max_chunk_rows`` caps the chunk (None: no cap), e.g. to run many chunks on small shapes.
+    """
 
-# cuBLAS may reduce split-K partial sums in bf16/fp16 when torch allows it (the default).
-# The dX GEMM reduces over the whole vocabulary (K = V, up to 262144), where those extra
-# roundings would dominate the error; the chunk GEMMs run with fp32 reductions instead.
-FLCE_FP32_GEMM_REDUCTION = True
+    chunk_budget_bytes: int = 96 * 2**20
+    chunk_floor_fraction: float = 0.085
+    chunk_row_multiple: int = 64
+    max_chunk_rows: int | None = None
+
+    @classmethod
+    @functools.cache
+    def heuristic(cls) -> "FusedLinearCrossEntropyConfig":
+        return cls()
+
+    @classmethod
+    def search_space(cls):
+        for mib in (64, 96, 128, 192, 256, 512):
+            yield cls(chunk_budget_bytes=mib * 2**20)
 
 
 @contextlib.contextmanager
 def gemm_reduction_precision():
-    """Within this block, cuBLAS reduces split-K partial sums in fp32 (see FLCE_FP32_GEMM_REDUCTION)."""
+    """Within this block, cuBLAS reduces split-K partial sums in fp32.
+
+    By default torch lets cuBLAS reduce them in bf16/fp16. The dX GEMM reduces over the
+    whole vocabulary (K = V, up to 262144), where those extra roundings would dominate the
+    error, so the chunk GEMMs run with fp32 reductions.
+    """
     matmul = torch.backends.cuda.matmul
-    if not FLCE_FP32_GEMM_REDUCTION:
-        yield
-        return
     saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
     matmul.allow_bf16_reduced_precision_reduction = False
     matmul.allow_fp16_reduced_precision_reduction = False
@@ -88,17 +110,18 @@ def gemm_reduction_precision():
 
 
 def chunk_rows_for(n_rows: int, n_cols: int, element_size: int, floor_bytes: int = 0) -> int:
-    """Rows per chunk: as many as fit the chunk budget, rounded, at least 1.
-
-    The budget is the larger of :data:`FLCE_CHUNK_BUDGET_BYTES` and
-    :data:`FLCE_CHUNK_FLOOR_FRACTION` of ``floor_bytes`` (the dW and dX bytes of the call).
-    """
-    budget = max(FLCE_CHUNK_BUDGET_BYTES, int(FLCE_CHUNK_FLOOR_FRACTION * floor_bytes))
+    """Rows per chunk of an (n_rows, n_cols) logits computation: as many as fit the chunk
+    budget of :class:`FusedLinearCrossEntropyConfig` (for ``floor_bytes``, the gradient bytes
+    of the call), rounded, at least 1 and at most ``n_rows``."""
+    config = launch_config(FusedLinearCrossEntropyConfig)
+    budget = max(config.chunk_budget_bytes, int(config.chunk_floor_fraction * floor_bytes))
     rows = max(1, budget // max(1, n_cols * element_size))
-    if rows >= FLCE_CHUNK_ROW_MULTIPLE:
-        rows -= rows % FLCE_CHUNK_ROW_MULTIPLE
+    if rows >= config.chunk_row_multiple:
+        rows -= rows % config.chunk_row_multiple
     else:
         rows = 1 << (rows.bit_length() - 1)
+    if config.max_chunk_rows is not None:
+        rows = min(rows, config.max_chunk_rows)
     return max(1, min(rows, n_rows))
 
 
@@ -120,7 +143,7 @@ def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _accumulate_grad_weight(
+def accumulate_grad_weight(
     grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor, first: bool
 ) -> None:
     """``grad_weight += grad_chunk^T @ x_chunk`` in place, without a dW-sized temporary.
@@ -228,7 +251,7 @@ def _chunked_loss_and_grads(
                 if grad_input_needed:
                     torch.matmul(logits, weight, out=grad_input[start:stop])
                 if grad_weight_needed:
-                    _accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
+                    accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
                 if grad_bias_needed:
                     grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
             del chunk_buffer
@@ -237,12 +260,6 @@ def _chunked_loss_and_grads(
     if grad_bias_needed:
         grad_bias = grad_bias.to(bias.dtype)
     return loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias
-
-
-def _reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction):
-    if reduction == "none":
-        return loss_rows, z_rows, correct_rows
-    return loss_rows.sum(), z_rows.sum(), correct_rows.sum() / n_counted.clamp_min(1.0)
 
 
 @liger_custom_op("fused_linear_cross_entropy_forward")
@@ -292,7 +309,7 @@ def fused_linear_cross_entropy_forward(
             )
         )
     return (
-        *_reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction),
+        *reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction),
         grad_input,
         grad_weight,
         grad_bias,
@@ -423,86 +440,70 @@ def _check_linear_args(x, weight, bias, accum_dtype) -> None:
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype, got {accum_dtype}")
 
 
+def _fused_linear_cross_entropy(ctx, _input, weight, target, bias, ce_weight, options: CrossEntropyOptions,
+                                accum_dtype):
+    """The forward of both autograd Functions."""
+    _check_linear_args(_input, weight, bias, accum_dtype)
+    n_rows, n_cols = _input.shape[0], weight.shape[0]
+    meta = is_meta(_input, weight, target, bias, ce_weight)
+    if not meta:
+        check_same_device([("input", _input), ("weight", weight), ("target", target), ("bias", bias),
+                           ("ce_weight", ce_weight)])
+    ce_weight = check_class_weight(ce_weight, n_cols, "ce_weight")
+    # The range check's verdict is awaited only after the chunk loop is queued: waiting
+    # first would drain the GPU's queue (a bad target never addresses memory; the
+    # results computed with one are discarded by the raise).
+    target_check = start_target_check(target, n_rows, n_cols, options.ignore_index)
+    x = _input.contiguous()
+    accum_fp32 = accum_dtype == torch.float32 and weight.dtype != torch.float32
+    # needs_input_grad covers only the arguments given to apply (bias may be omitted).
+    needs_input, needs_weight, _, needs_bias = (tuple(ctx.needs_input_grad) + (False,) * 4)[:4]
+    needs_bias = bool(needs_bias) and bias is not None
+    kernel_options = options.kernel_options
+    in_forward = options.reduction != "none"
+    forward = _fused_linear_cross_entropy_forward_fake if meta else fused_linear_cross_entropy_forward
+    loss, z_loss, accuracy, grad_input, grad_weight, grad_bias = forward(
+        x, weight, target, bias, ce_weight, *kernel_options, options.reduction, options.return_token_accuracy,
+        bool(needs_input) and in_forward, bool(needs_weight) and in_forward, needs_bias and in_forward, accum_fp32,
+    )
+    target_check.wait()
+    ctx.reduction = options.reduction
+    ctx.needs = (bool(needs_input), bool(needs_weight), needs_bias)
+    if in_forward:
+        ctx.save_for_backward(grad_input, grad_weight, grad_bias)
+    else:
+        ctx.options = kernel_options
+        ctx.accum_fp32 = accum_fp32
+        ctx.save_for_backward(x, weight, target, bias, ce_weight)
+    ctx.mark_non_differentiable(z_loss, accuracy)
+    return loss, z_loss, accuracy
+
+
 class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Cross entropy of ``input @ weight.T + bias`` against ``target``, chunked over rows.
 
     ``forward(ctx, input (N, D), weight (V, D), target (N,), bias=None, ce_weight=None,
     ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
-    softcap=None, return_token_accuracy=False, accum_dtype=None)`` returns float32
+    softcap=None, return_token_accuracy=False, accum_dtype=None)`` returns
     ``(loss, z_loss, token_accuracy)`` as :class:`~liger_kernel.ops.cross_entropy.LigerCrossEntropyFunction`
-    does; only ``loss`` is differentiable. Gradients flow to ``input``, ``weight`` and
-    ``bias``, each skipped when it does not require grad (e.g. a frozen ``weight``).
-    ``accum_dtype=torch.float32`` accumulates dW over chunks in float32 (then casts to
-    the weight dtype; dX rows are single GEMMs with float32 accumulation either way).
-    Backward may run only once per forward.
+    does, but float32 for every input dtype (see the module docstring); only ``loss`` is
+    differentiable. Gradients flow to ``input``, ``weight`` and ``bias``, each skipped when
+    it does not require grad (e.g. a frozen ``weight``). ``accum_dtype=torch.float32``
+    accumulates dW over chunks in float32 (then casts to the weight dtype; dX rows are single
+    GEMMs with float32 accumulation either way). Meta tensors give meta outputs. Backward
+    may run only once per forward.
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        _input: torch.Tensor,
-        weight: torch.Tensor,
-        target: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        ce_weight: torch.Tensor | None = None,
-        ignore_index: int = -100,
-        lse_square_scale: float = 0.0,
-        label_smoothing: float = 0.0,
-        reduction: str = "mean",
-        softcap: float | None = None,
-        return_token_accuracy: bool = False,
-        accum_dtype: torch.dtype | None = None,
-    ):
-        _check_linear_args(_input, weight, bias, accum_dtype)
-        n_rows, n_cols = _input.shape[0], weight.shape[0]
-        check_same_device(
-            [
-                ("input", _input),
-                ("weight", weight),
-                ("target", target),
-                ("bias", bias),
-                ("ce_weight", ce_weight),
-            ]
-        )
-        ce_weight = check_class_weight(ce_weight, n_cols, "ce_weight")
-        ignore_index = check_ignore_index(ignore_index)
-        softcap_value = check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
-        # The range check's verdict is awaited only after the chunk loop is queued: waiting
-        # first would drain the GPU's queue (a bad target never addresses memory; the
-        # results computed with one are discarded by the raise).
-        target_check = start_target_check(target, n_rows, n_cols, ignore_index)
-        x = _input.contiguous()
-        accum_fp32 = accum_dtype == torch.float32 and weight.dtype != torch.float32
-        # needs_input_grad covers only the arguments given to apply (bias may be omitted).
-        needs_input, needs_weight, _, needs_bias = (tuple(ctx.needs_input_grad) + (False,) * 4)[:4]
-        needs_bias = bool(needs_bias) and bias is not None
-        options = (ignore_index, float(label_smoothing), float(lse_square_scale), softcap_value)
-        in_forward = reduction != "none"
-        loss, z_loss, accuracy, grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_forward(
-            x,
-            weight,
-            target,
-            bias,
-            ce_weight,
-            *options,
-            reduction,
-            bool(return_token_accuracy),
-            bool(needs_input) and in_forward,
-            bool(needs_weight) and in_forward,
-            needs_bias and in_forward,
-            accum_fp32,
-        )
-        target_check.wait()
-        ctx.reduction = reduction
-        ctx.needs = (bool(needs_input), bool(needs_weight), needs_bias)
-        if in_forward:
-            ctx.save_for_backward(grad_input, grad_weight, grad_bias)
-        else:
-            ctx.options = options
-            ctx.accum_fp32 = accum_fp32
-            ctx.save_for_backward(x, weight, target, bias, ce_weight)
-        ctx.mark_non_differentiable(z_loss, accuracy)
-        return loss, z_loss, accuracy
+    def forward(ctx, _input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None, ce_weight: torch.Tensor | None = None, ignore_index: int = -100,
+                lse_square_scale: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
+                softcap: float | None = None, return_token_accuracy: bool = False,
+                accum_dtype: torch.dtype | None = None):
+        options = CrossEntropyOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                      lse_square_scale=lse_square_scale, softcap=softcap, reduction=reduction,
+                                      return_token_accuracy=return_token_accuracy)
+        return _fused_linear_cross_entropy(ctx, _input, weight, target, bias, ce_weight, options, accum_dtype)
 
     @staticmethod
     @once_differentiable
@@ -518,17 +519,10 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 grad_bias = scale_gradient(grad_bias, grad_loss)
         else:
             x, weight, target, bias, ce_weight = ctx.saved_tensors
-            grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_backward(
-                grad_loss,
-                x,
-                weight,
-                target,
-                bias,
-                ce_weight,
-                *ctx.options,
-                needs_input,
-                needs_weight,
-                needs_bias,
+            backward = (_fused_linear_cross_entropy_backward_fake if is_meta(x)
+                        else fused_linear_cross_entropy_backward)
+            grad_input, grad_weight, grad_bias = backward(
+                grad_loss, x, weight, target, bias, ce_weight, *ctx.options, needs_input, needs_weight, needs_bias,
                 ctx.accum_fp32,
             )
         return (
@@ -537,3 +531,12 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
             None,
             grad_bias if needs_bias else None,
         ) + (None,) * 8
+
+
+class FusedLinearCrossEntropyFunction(LigerFusedLinearCrossEntropyFunction):
+    """:class:`LigerFusedLinearCrossEntropyFunction` for callers holding validated options:
+    ``apply(input, weight, target, bias, ce_weight, options, accum_dtype)``."""
+
+    @staticmethod
+    def forward(ctx, _input, weight, target, bias, ce_weight, options, accum_dtype):
+        return _fused_linear_cross_entropy(ctx, _input, weight, target, bias, ce_weight, options, accum_dtype)

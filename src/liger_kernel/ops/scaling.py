@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     is_interpreter,
     launch_kernel,
@@ -15,18 +19,25 @@ from liger_kernel.ops.launch import (
 )
 from liger_kernel.ops.numerics import round_to_dtype
 
-# ======================================================================================
-# Scaling a stored gradient by the upstream gradient (the losses' backward).
-#
 # The losses compute their input gradients during the forward pass; backward only scales
 # them by dL_total/dloss. That factor is very often exactly 1 (loss.backward() on the loss
 # itself), and checking it on the host would need a device sync. The kernel reads the
 # factor on the device and leaves the tensor untouched where it is 1, so the common case
 # costs one launch instead of a full read and write of a vocabulary-sized buffer.
-# ======================================================================================
 
-SCALE_BLOCK = 4096
-SCALE_PROGRAMS_PER_SM = 4
+
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig(LaunchConfig):
+    """Launch parameters of :func:`scale_in_place`: ``block`` columns per step (a contiguous
+    tensor is processed as rows of ``block`` elements) and persistent ``programs_per_sm``."""
+
+    block: int = 4096
+    programs_per_sm: float = 4
+
+    @classmethod
+    @functools.cache
+    def heuristic(cls) -> ScaleConfig:
+        return cls()
 
 
 @triton.jit
@@ -59,8 +70,9 @@ def _scale_rows_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
     if n_rows == 0 or n_cols == 0:
         return
     per_row = scale.numel() != 1
-    block, num_warps = row_launch_settings(n_cols, SCALE_BLOCK)
-    grid = (num_programs_for_rows(n_rows, x.device, SCALE_PROGRAMS_PER_SM),)
+    config = launch_config(ScaleConfig)
+    block, num_warps = row_launch_settings(n_cols, config.block)
+    grid = (num_programs_for_rows(n_rows, x.device, config.programs_per_sm),)
     launch_kernel(_scale_in_place_kernel, grid, x, scale, n_rows, n_cols, x.stride(0), PER_ROW=per_row,
                   BLOCK=block, ROUND_BY_HAND=is_interpreter(), num_warps=num_warps)
 
@@ -71,12 +83,12 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
 
     ``scale`` is a single value (0-d or one element) or, for a 2-D ``x`` (R, C), one value
     per row (R,). The product is formed in fp32 and rounded once to ``x``'s dtype. A
-    contiguous ``x`` is processed as rows of :data:`SCALE_BLOCK` elements whatever its shape;
-    other layouts fall back to ``torch.mul_``. ``x``'s autograd version is bumped even where
+    contiguous ``x`` is processed as rows of :class:`ScaleConfig` ``block`` elements whatever
+    its shape; other layouts fall back to ``torch.mul_``. Nothing happens for a meta ``x``. ``x``'s autograd version is bumped even where
     nothing changed, so a saved tensor scaled here cannot be silently reused by a second
     backward.
     """
-    if x.numel() == 0:
+    if x.numel() == 0 or x.device.type == "meta":
         return
     torch.autograd.graph.increment_version(x)
     if scale.numel() != 1:
@@ -90,7 +102,7 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
         return
     if x.is_contiguous():
         flat = x.view(-1)
-        width = min(SCALE_BLOCK, flat.numel())
+        width = min(launch_config(ScaleConfig).block, flat.numel())
         full_rows = flat.numel() // width
         _scale_rows_in_place(flat[: full_rows * width].view(full_rows, width), scale.reshape(1))
         if full_rows * width < flat.numel():

@@ -118,6 +118,7 @@ def liger_causal_lm_loss(
         reduction=reduction,
         # The logits are also returned to the caller: the kernel must not overwrite them.
         in_place=False,
+        loss_dtype=torch.float32,  # HF upcasts the logits, so its loss is float32
     )
     if num_items_in_batch is not None:
         loss = _divide_by_items(loss, num_items_in_batch)

@@ -1,17 +1,33 @@
 """Cross entropy loss module and functional form, drop-in for ``nn.CrossEntropyLoss``.
 
-See :mod:`liger_kernel.ops.cross_entropy` for the math and memory behaviour: by default
-the gradient is written over the input logits, which must not be reused afterwards.
+See :mod:`liger_kernel.ops.cross_entropy` for the math and memory behaviour: the gradient
+is computed in the forward pass and written over the input logits only where nothing else
+can read them; logits the caller still holds keep their values.
 """
 
+from __future__ import annotations
+
+import dataclasses
 from typing import Union
 
 import torch
 from torch import nn
 
-from liger_kernel.ops.cross_entropy import CrossEntropyOutput, LigerCrossEntropyFunction
+from liger_kernel.ops.cross_entropy import CrossEntropyFunction
+from liger_kernel.ops.loss_options import (
+    OPTION_NAMES,
+    CrossEntropyOptions,
+    CrossEntropyOutput,
+    calibrate_entry,
+)
 
-__all__ = ["CrossEntropyOutput", "LigerCrossEntropyLoss", "liger_cross_entropy"]
+__all__ = ["CrossEntropyLossBase", "CrossEntropyOptions", "CrossEntropyOutput", "LigerCrossEntropyLoss",
+           "liger_cross_entropy"]
+
+
+def _cross_entropy(input, target, weight, options: CrossEntropyOptions, in_place: bool, limits, loss_dtype=None):
+    loss, z_loss, accuracy = CrossEntropyFunction.apply(input, target, weight, options, in_place, limits, loss_dtype)
+    return options.outputs(loss, z_loss, accuracy)
 
 
 def liger_cross_entropy(
@@ -26,11 +42,13 @@ def liger_cross_entropy(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     in_place: bool = True,
+    loss_dtype: torch.dtype | None = None,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross entropy of logits ``input`` (N, V) against class indices ``target`` (N,).
 
     Same arguments and results as ``torch.nn.functional.cross_entropy`` (class ``weight``
-    (V,), ``ignore_index``, ``reduction`` "mean"/"sum"/"none", ``label_smoothing``), plus:
+    (V,), ``ignore_index``, ``reduction`` "mean"/"sum"/"none", ``label_smoothing``), plus
+    the options of :class:`~liger_kernel.ops.loss_options.CrossEntropyOptions`:
 
     * ``softcap``: apply ``softcap * tanh(input / softcap)`` first (Gemma 2);
     * ``lse_square_scale``: add the z-loss ``lse_square_scale * logsumexp(row)**2`` of each
@@ -38,40 +56,76 @@ def liger_cross_entropy(
     * ``return_z_loss`` / ``return_token_accuracy``: return a
       :class:`CrossEntropyOutput` ``(loss, z_loss, token_accuracy)`` instead of the loss
       alone (unrequested fields are ``None``);
-    * ``in_place`` (default True): the gradient is computed now and written over
-      ``input``, whose values are then garbage; pass False to keep ``input`` intact.
+    * ``in_place`` (default True): the gradient is computed now and written over ``input``
+      when nothing else can read it (a temporary such as ``lm_head(h).view(-1, V)``);
+      logits the caller holds, or a hook kept, get a fresh gradient buffer instead. False:
+      never overwrite;
+    * ``loss_dtype``: the dtype of the loss and z-loss; None (default) gives ``input``'s
+      dtype, as torch's (computed in float32 either way). ``torch.float32`` gives what HF's
+      causal-LM loss returns, which upcasts the logits first.
 
-    The loss is float32. A "mean" over all-ignored targets is 0 with zero gradient
-    (torch returns NaN). Raises ``ValueError``/``TypeError`` on bad shapes, dtypes or
-    target values outside ``[0, V)`` (that value check syncs once with the device in eager
-    mode and is skipped under ``torch.compile``, where a bad target gives a NaN loss).
+    A "mean" over all-ignored targets is 0 with zero gradient (torch returns NaN). Raises
+    ``ValueError``/``TypeError`` on bad shapes, dtypes or target values outside ``[0, V)``
+    (that value check syncs once with the device in eager mode and is skipped under
+    ``torch.compile``, where a bad target gives a NaN loss). Meta tensors give meta outputs.
     """
-    loss, z_loss, accuracy = LigerCrossEntropyFunction.apply(
-        input,
-        target,
-        weight,
-        ignore_index,
-        lse_square_scale,
-        label_smoothing,
-        reduction,
-        softcap,
-        return_token_accuracy,
-        in_place,
-    )
-    if not (return_z_loss or return_token_accuracy):
-        return loss
-    return CrossEntropyOutput(
-        loss,
-        z_loss if return_z_loss else None,
-        accuracy if return_token_accuracy else None,
-    )
+    options = CrossEntropyOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                  lse_square_scale=lse_square_scale, softcap=softcap, reduction=reduction,
+                                  return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
+    return _cross_entropy(input, target, weight, options, in_place, _FUNCTIONAL_LIMITS, loss_dtype)
 
 
-class LigerCrossEntropyLoss(nn.Module):
+def _hooks_see_inputs(module: nn.Module) -> bool:
+    """Whether hooks of ``module`` (its own or global) may read its inputs after its forward:
+    a forward hook receives them once the forward returns, when no reference count can tell
+    it will; backward hooks wrap them. Unknown (torch keeps its global hooks elsewhere): yes."""
+    from torch.nn.modules import module as module_impl
+
+    global_hooks = [getattr(module_impl, name, None) for name in
+                    ("_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")]
+    if any(hooks is None for hooks in global_hooks):
+        return True
+    own_hooks = (module._forward_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(bool(hooks) for hooks in (*own_hooks, *global_hooks))
+
+
+def _option_property(name: str) -> property:
+    def get(self):
+        return getattr(self.options, name)
+
+    def set(self, value):
+        self.options = dataclasses.replace(self.options, **{name: value})
+
+    return property(get, set, doc=f"The ``{name}`` option (validated when set).")
+
+
+class CrossEntropyLossBase(nn.Module):
+    """What the cross-entropy loss modules share: one :class:`CrossEntropyOptions` value
+    (``self.options``, each field also readable and settable as an attribute, validated when
+    set) and the class weights as a non-persistent buffer ``weight_name`` (it follows the
+    module's ``.to()``)."""
+
+    weight_name = "weight"
+
+    def __init__(self, class_weight: torch.Tensor | None, **options) -> None:
+        super().__init__()
+        self.options = CrossEntropyOptions(**options)
+        self.register_buffer(self.weight_name, class_weight, persistent=False)
+
+    def extra_repr(self) -> str:
+        return self.options.describe()
+
+
+for _name in OPTION_NAMES:
+    setattr(CrossEntropyLossBase, _name, _option_property(_name))
+
+
+class LigerCrossEntropyLoss(CrossEntropyLossBase):
     """``nn.CrossEntropyLoss`` with the extras of :func:`liger_cross_entropy`.
 
-    ``forward(input (N, V), target (N,))``; ``input`` is overwritten by its gradient
-    (``in_place=True``, the default) unless ``in_place=False``.
+    ``forward(input (N, V), target (N,))``; ``input`` is overwritten by its gradient only
+    where nothing else can read it (``in_place=True``, the default; see
+    :func:`liger_cross_entropy`).
     """
 
     def __init__(
@@ -86,35 +140,21 @@ class LigerCrossEntropyLoss(nn.Module):
         return_token_accuracy: bool = False,
         in_place: bool = True,
     ) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight, persistent=False)
-        self.ignore_index = ignore_index
-        self.lse_square_scale = lse_square_scale
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
-        self.return_token_accuracy = return_token_accuracy
+        super().__init__(weight, ignore_index=ignore_index, lse_square_scale=lse_square_scale,
+                         label_smoothing=label_smoothing, reduction=reduction, softcap=softcap,
+                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
         self.in_place = in_place
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Union[torch.Tensor, CrossEntropyOutput]:
-        return liger_cross_entropy(
-            input,
-            target,
-            weight=self.weight,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            lse_square_scale=self.lse_square_scale,
-            softcap=self.softcap,
-            return_z_loss=self.return_z_loss,
-            return_token_accuracy=self.return_token_accuracy,
-            in_place=self.in_place,
-        )
+        in_place = self.in_place and not _hooks_see_inputs(self)
+        return _cross_entropy(input, target, self.weight, self.options, in_place, _MODULE_LIMITS)
 
     def extra_repr(self) -> str:
-        return (
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
-            f"softcap={self.softcap}, in_place={self.in_place}"
-        )
+        return f"{super().extra_repr()}, in_place={self.in_place}"
+
+
+# Reference counts of a temporary passed straight to each entry point (None while measured).
+_FUNCTIONAL_LIMITS = _MODULE_LIMITS = None
+_FUNCTIONAL_LIMITS = calibrate_entry(lambda make: liger_cross_entropy(make(), None))
+_PROBE_MODULE = LigerCrossEntropyLoss()
+_MODULE_LIMITS = calibrate_entry(lambda make: _PROBE_MODULE(make(), None))

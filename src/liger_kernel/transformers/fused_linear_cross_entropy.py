@@ -7,10 +7,10 @@ bound, and :mod:`liger_kernel.ops.cross_entropy` for the loss definitions.
 from typing import Union
 
 import torch
-from torch import nn
 
-from liger_kernel.ops.cross_entropy import CrossEntropyOutput
-from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+from liger_kernel.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
+from liger_kernel.ops.loss_options import CrossEntropyOptions, CrossEntropyOutput
+from liger_kernel.transformers.cross_entropy import CrossEntropyLossBase
 
 __all__ = ["LigerFusedLinearCrossEntropyLoss", "liger_fused_linear_cross_entropy"]
 
@@ -19,7 +19,7 @@ def _autocast_operands(input, weight, bias):
     # Under autocast, F.linear would run in the autocast dtype; cast the operands the same
     # way (autograd carries the gradients back through the casts to fp32 parameters).
     device_type = input.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):  # meta: no autocast there
         return input, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
     return input.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -46,41 +46,34 @@ def liger_fused_linear_cross_entropy(
     (V, D) the LM head (may be frozen), ``bias`` (V,) or None, ``target`` (N,) class
     indices. ``ce_weight`` (V,) are the class weights; the other options are those of
     :func:`liger_kernel.transformers.cross_entropy.liger_cross_entropy`, and so is the
-    return value (a float32 loss, or a :class:`CrossEntropyOutput` when ``return_z_loss``
-    or ``return_token_accuracy`` is set). ``accum_dtype=torch.float32`` accumulates the
+    return value (the loss, or a :class:`CrossEntropyOutput` when ``return_z_loss`` or
+    ``return_token_accuracy`` is set), except that the loss is float32 for every input
+    dtype: this loss replaces HF's causal-LM loss, which upcasts the logits to float32 and
+    so returns a float32 loss. Meta tensors give meta outputs. ``accum_dtype=torch.float32`` accumulates the
     weight gradient in float32 for bf16/fp16 weights. ``input`` and ``weight`` must share a
     dtype unless autocast is on, in which case both are cast to the autocast dtype.
     """
+    options = CrossEntropyOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                  lse_square_scale=lse_square_scale, softcap=softcap, reduction=reduction,
+                                  return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
+    return _fused_linear_cross_entropy(input, weight, target, bias, ce_weight, options, accum_dtype)
+
+
+def _fused_linear_cross_entropy(input, weight, target, bias, ce_weight, options: CrossEntropyOptions, accum_dtype):
     input, weight, bias = _autocast_operands(input, weight, bias)
-    loss, z_loss, accuracy = LigerFusedLinearCrossEntropyFunction.apply(
-        input,
-        weight,
-        target,
-        bias,
-        ce_weight,
-        ignore_index,
-        lse_square_scale,
-        label_smoothing,
-        reduction,
-        softcap,
-        return_token_accuracy,
-        accum_dtype,
-    )
-    if not (return_z_loss or return_token_accuracy):
-        return loss
-    return CrossEntropyOutput(
-        loss,
-        z_loss if return_z_loss else None,
-        accuracy if return_token_accuracy else None,
-    )
+    loss, z_loss, accuracy = FusedLinearCrossEntropyFunction.apply(input, weight, target, bias, ce_weight, options,
+                                                                   accum_dtype)
+    return options.outputs(loss, z_loss, accuracy)
 
 
-class LigerFusedLinearCrossEntropyLoss(nn.Module):
+class LigerFusedLinearCrossEntropyLoss(CrossEntropyLossBase):
     """Module form of :func:`liger_fused_linear_cross_entropy`.
 
     ``forward(lin_weight (V, D), _input (N, D), target (N,), bias=None)``: note the
     weight comes first (the LM head's weight is passed in, not owned by this module).
     """
+
+    weight_name = "ce_weight"
 
     def __init__(
         self,
@@ -94,16 +87,10 @@ class LigerFusedLinearCrossEntropyLoss(nn.Module):
         accum_dtype: torch.dtype | None = None,
         return_token_accuracy: bool = False,
     ) -> None:
-        super().__init__()
-        self.register_buffer("ce_weight", ce_weight, persistent=False)
-        self.ignore_index = ignore_index
-        self.lse_square_scale = lse_square_scale
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
+        super().__init__(ce_weight, ignore_index=ignore_index, lse_square_scale=lse_square_scale,
+                         label_smoothing=label_smoothing, reduction=reduction, softcap=softcap,
+                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
         self.accum_dtype = accum_dtype
-        self.return_token_accuracy = return_token_accuracy
 
     def forward(
         self,
@@ -112,25 +99,8 @@ class LigerFusedLinearCrossEntropyLoss(nn.Module):
         target: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> Union[torch.Tensor, CrossEntropyOutput]:
-        return liger_fused_linear_cross_entropy(
-            _input,
-            lin_weight,
-            target,
-            bias=bias,
-            ce_weight=self.ce_weight,
-            ignore_index=self.ignore_index,
-            lse_square_scale=self.lse_square_scale,
-            label_smoothing=self.label_smoothing,
-            reduction=self.reduction,
-            softcap=self.softcap,
-            return_z_loss=self.return_z_loss,
-            accum_dtype=self.accum_dtype,
-            return_token_accuracy=self.return_token_accuracy,
-        )
+        return _fused_linear_cross_entropy(_input, lin_weight, target, bias, self.ce_weight, self.options,
+                                           self.accum_dtype)
 
     def extra_repr(self) -> str:
-        return (
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
-            f"softcap={self.softcap}, accum_dtype={self.accum_dtype}"
-        )
+        return f"{super().extra_repr()}, accum_dtype={self.accum_dtype}"
