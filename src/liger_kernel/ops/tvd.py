@@ -25,8 +25,8 @@ import triton.language as tl
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.cross_entropy import check_ignore_index
 from liger_kernel.ops.launch import is_interpreter, launch_kernel, liger_custom_op
+from liger_kernel.ops.loss_options import check_ignore_index
 from liger_kernel.ops.numerics import round_to_dtype
 from liger_kernel.ops.vocab_rows import (
     VocabRowConfig,
