@@ -65,7 +65,7 @@ def _bound_in_instance(module, name: str = "forward") -> bool:
 def test_every_family_has_a_generated_apply_function():
     import liger_kernel.transformers as lt
 
-    assert set(MODEL_TYPE_TO_APPLY_LIGER_FN) == set(MODEL_TYPES)
+    assert set(MODEL_TYPES) <= set(MODEL_TYPE_TO_APPLY_LIGER_FN)  # the table; discovery adds the rest
     for model_type in MODEL_TYPES:
         fn = getattr(lt, f"apply_liger_kernel_to_{model_type}")
         assert fn is MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]

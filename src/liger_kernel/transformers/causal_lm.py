@@ -206,21 +206,41 @@ class FusedLossSpec:
             are asked; None for a dense model.
         num_experts_attr: config attribute holding the number of experts that loss takes.
         recompute_norm_outputs: run the decoder inside the norm-output recompute context.
+        output_class: ``"module:Class"`` of the model's own output (e.g. a vision-language
+            model's, with its image hidden states); its fields not computed here are taken from
+            the decoder's outputs by name. None: ``CausalLMOutputWithPast`` (``Moe...`` for MoE).
+        extra_parameters: names the model's own forward takes besides the standard ones
+            (``pixel_values``, ``image_sizes``, ...): listed in the fused forward's signature
+            (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
+
+    Config attributes are read from the text config (``config.get_text_config()``, the config
+    itself for a causal LM).
     """
 
     logit_softcap_attr: str | None = None
     router_aux_loss_fn: str | None = None
     num_experts_attr: str = "num_local_experts"
     recompute_norm_outputs: bool = False
+    output_class: str | None = None
+    extra_parameters: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
         return self.router_aux_loss_fn is not None
 
 
-def _router_aux_loss_fn(spec: FusedLossSpec):
-    module, name = spec.router_aux_loss_fn.split(":")
-    return getattr(importlib.import_module(module), name)
+def _qualified(name: str):
+    """The object ``"module:attribute"`` names."""
+    module, attribute = name.split(":")
+    value = importlib.import_module(module)
+    for part in attribute.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _text_config(config):
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
 
 
 def _fused_lm_head_loss(
@@ -262,6 +282,7 @@ def _fused_loss_forward(
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     config = self.config
+    text_config = _text_config(config)
 
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
@@ -278,7 +299,9 @@ def _fused_loss_forward(
     output_router_logits = kwargs.pop("output_router_logits", None)
     if is_moe:
         if output_router_logits is None:
-            output_router_logits = getattr(config, "output_router_logits", False)
+            output_router_logits = getattr(config, "output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = getattr(text_config, "output_router_logits", False)
         kwargs["output_router_logits"] = output_router_logits
 
     base_model = getattr(self, self.base_model_prefix)
@@ -310,7 +333,7 @@ def _fused_loss_forward(
     if skip_logits and not has_targets:
         raise ValueError("skip_logits=True needs `labels` or `shift_labels` to compute the loss from.")
 
-    softcap = getattr(config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+    softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
     lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
@@ -360,7 +383,8 @@ def _fused_loss_forward(
             loss_kwargs = {"num_items_in_batch": num_items_in_batch, "ignore_index": ignore_index}
             if shift_labels is not None:
                 loss_kwargs["shift_labels"] = shift_labels
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size,
+                                      **loss_kwargs)
             if num_items_in_batch is None:
                 loss = _zero_if_nothing_counted(loss, labels, shift_labels, ignore_index)
         if skip_logits:
@@ -375,16 +399,23 @@ def _fused_loss_forward(
     output_class = CausalLMOutputWithPast
     if is_moe:
         output_class = MoeCausalLMOutputWithPast
+    if spec.output_class is not None:
+        output_class = _qualified(spec.output_class)
+    if is_moe:
         aux_loss = None
         if output_router_logits:
-            aux_loss = _router_aux_loss_fn(spec)(
-                outputs.router_logits, getattr(config, spec.num_experts_attr), config.num_experts_per_tok,
+            aux_loss = _qualified(spec.router_aux_loss_fn)(
+                outputs.router_logits, getattr(text_config, spec.num_experts_attr), text_config.num_experts_per_tok,
                 attention_mask,
             )
             if loss is not None:
-                loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
         fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
     fields[_output_cache_field(output_class)] = getattr(outputs, _output_cache_field(type(outputs)), None)
+    if spec.output_class is not None:
+        # The model's own output fields (image hidden states, rope deltas, ...) come from the decoder's.
+        declared = output_class.__dataclass_fields__
+        fields = {name: fields[name] if name in fields else getattr(outputs, name, None) for name in declared}
 
     output = output_class(**fields)
     return output if return_dict else output.to_tuple()
@@ -429,6 +460,12 @@ def _build_fused_loss_forward(spec: FusedLossSpec):
 
     forward.__doc__ = fused_loss_forward.__doc__
     forward.__qualname__ = "liger_causal_lm_forward"
+    if spec.extra_parameters:
+        signature = inspect.signature(forward)
+        parameters = list(signature.parameters.values())
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+                 for name in spec.extra_parameters if name not in signature.parameters]
+        forward.__signature__ = signature.replace(parameters=parameters[:-1] + extra + parameters[-1:])
     return set_recipe(forward, fused_loss_forward, spec)
 
 

@@ -3,8 +3,11 @@
 ``apply_liger_kernel_to_<model_type>(rope=True, cross_entropy=False, fused_linear_cross_entropy=True,
 rms_norm=True, swiglu=True, model=None, recompute_norm_outputs=True, in_place=True)``
 (``geglu=True`` instead of ``swiglu`` for Gemma families) exists for every entry of
-:data:`liger_kernel.transformers.families.FAMILIES`; all of them are generated from that table
-and run the same code:
+:data:`liger_kernel.transformers.families.FAMILIES`, and, with ``layer_norm``, ``swiglu`` and
+``geglu`` all taken, for every other model type the installed transformers lists for causal
+LM or image-text-to-text: those are patched by discovery
+(:mod:`~liger_kernel.transformers.patching.discovery`: each module swapped only once a probe
+proved it equal). All of them are generated from data and run the same code:
 
 * ``model=None`` (class level) replaces names in the family's modeling module, so models built
   afterwards use the kernels; :func:`revert_liger_kernel` / :func:`liger_kernel_patched` put the

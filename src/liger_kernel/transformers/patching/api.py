@@ -21,6 +21,7 @@ from torch import nn
 from liger_kernel.transformers.causal_lm import fused_loss_forward, liger_causal_lm_loss
 from liger_kernel.transformers.families import FAMILIES, ModelFamily
 from liger_kernel.transformers.patching import class_level
+from liger_kernel.transformers.patching.generic import patch_discovered
 from liger_kernel.transformers.patching.instance import fused_loss_spec, patch_instance, unwrap_peft
 from liger_kernel.transformers.patching.options import PatchOptions, check_option_names
 from liger_kernel.transformers.patching.replacements import (
@@ -143,10 +144,124 @@ def _make_apply_fn(family: ModelFamily) -> Callable[..., PatchReport | None]:
     return apply
 
 
-MODEL_TYPE_TO_APPLY_LIGER_FN: dict[str, Callable[..., Any]] = {
-    model_type: _make_apply_fn(family) for model_type, family in FAMILIES.items()
-}
-APPLY_FUNCTIONS = {f"apply_liger_kernel_to_{model_type}": fn for model_type, fn in MODEL_TYPE_TO_APPLY_LIGER_FN.items()}
+def _hf_model_classes(model_type: str) -> list[type]:
+    """The causal-LM and image-text-to-text classes transformers maps ``model_type`` to."""
+    import transformers
+
+    classes = []
+    for mapping in _hf_mappings():
+        name = mapping.get(model_type)
+        for class_name in (name,) if isinstance(name, str) else (name or ()):
+            cls = getattr(transformers, class_name, None)
+            if cls is not None and cls not in classes:
+                classes.append(cls)
+    return classes
+
+
+def _hf_mappings() -> tuple[dict, ...]:
+    from transformers.models.auto import modeling_auto
+
+    return (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _discovering_post_init(post_init: Callable, options: PatchOptions) -> Callable:
+    """``post_init`` followed by discovery on the new model (when its weights exist: a model
+    built on the meta device inside ``from_pretrained`` is patched after loading instead)."""
+
+    @functools.wraps(post_init)
+    def liger_post_init(self, *args: Any, **kwargs: Any) -> Any:
+        result = post_init(self, *args, **kwargs)
+        if not any(p.is_meta for p in self.parameters()):
+            patch_discovered(self, options)
+        return result
+
+    return liger_post_init
+
+
+def _discovering_from_pretrained(from_pretrained: Callable, options: PatchOptions) -> classmethod:
+    """``from_pretrained`` followed by discovery on the loaded model."""
+    function = from_pretrained.__func__
+
+    @functools.wraps(function)
+    def liger_from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        model = function(cls, *args, **kwargs)
+        patch_discovered(model, options)
+        return model
+
+    return classmethod(liger_from_pretrained)
+
+
+def patch_discovered_classes(model_type: str, options: PatchOptions) -> None:
+    """Class-level patch of a model type the table does not name: every model of its classes
+    built afterwards (constructed, ``from_config`` or ``from_pretrained``) is patched by
+    discovery. Recorded for :func:`revert_liger_kernel`."""
+    classes = _hf_model_classes(model_type)
+    if not classes:
+        raise ValueError(f"transformers lists no causal-LM or image-text-to-text class for model_type {model_type!r}")
+    for cls in classes:
+        class_level.set_patched(model_type, cls, "post_init",
+                                _discovering_post_init(class_level.original(model_type, cls, "post_init"), options))
+        class_level.set_patched(model_type, cls, "from_pretrained", _discovering_from_pretrained(
+            class_level.original(model_type, cls, "from_pretrained"), options))
+
+
+_DISCOVERED_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "layer_norm", "swiglu",
+                          "geglu", "model", "recompute_norm_outputs", "in_place")
+
+
+def _make_discovered_apply_fn(model_type: str) -> Callable[..., PatchReport | None]:
+    defaults = PatchOptions()
+    parameters = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          default=None if name == "model" else getattr(defaults, name),
+                          annotation="PreTrainedModel | None" if name == "model" else "bool")
+        for name in _DISCOVERED_PARAMETERS
+    ]
+    signature = inspect.Signature(parameters, return_annotation="PatchReport | None")
+
+    def apply(*args: Any, **kwargs: Any) -> PatchReport | None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        model = arguments.pop("model")
+        options = PatchOptions(**arguments)
+        if model is None:
+            patch_discovered_classes(model_type, options)
+            return None
+        return patch_discovered(unwrap_peft(model), options)
+
+    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{model_type.replace('-', '_')}"
+    apply.__module__ = "liger_kernel.transformers.monkey_patch"
+    apply.__signature__ = signature
+    apply.__doc__ = f"""Patch {model_type} models with every Liger kernel discovery proves equal.
+
+    The modules of the model (norms, gated MLPs and experts, the rotary function its attention
+    calls, the head and loss) are found by structure and each is checked against its Liger
+    replacement on a small probe before it is swapped; what fails stays Hugging Face's and the
+    returned :class:`PatchReport` says why (see :mod:`liger_kernel.transformers.patching.discovery`).
+    Options are those of :class:`~liger_kernel.transformers.patching.options.PatchOptions`.
+    ``model=None`` patches every {model_type} model built afterwards (undone by
+    ``revert_liger_kernel({model_type!r})``).
+    """
+    return apply
+
+
+def _registry() -> dict[str, Callable[..., Any]]:
+    """Every model type transformers lists for causal LM or image-text-to-text, the table's
+    families first (their entries win over discovery)."""
+    registry: dict[str, Callable[..., Any]] = {mt: _make_apply_fn(family) for mt, family in FAMILIES.items()}
+    for mapping in _hf_mappings():
+        for model_type in mapping:
+            if model_type not in registry:
+                registry[model_type] = _make_discovered_apply_fn(model_type)
+    return registry
+
+
+MODEL_TYPE_TO_APPLY_LIGER_FN: dict[str, Callable[..., Any]] = _registry()
+_TABLE_APPLY_FNS = {mt: MODEL_TYPE_TO_APPLY_LIGER_FN[mt] for mt in FAMILIES}
+# The names users import: ``apply_liger_kernel_to_<model_type>`` ("-" in a model type read as "_").
+APPLY_FUNCTIONS = {f"apply_liger_kernel_to_{model_type.replace('-', '_')}": fn
+                   for model_type, fn in MODEL_TYPE_TO_APPLY_LIGER_FN.items()}
 
 
 def _callable_name(fn: Any) -> str:
@@ -201,8 +316,14 @@ def _apply_liger_kernel_to_instance(model: nn.Module, **kwargs: Any) -> PatchRep
     kwargs.pop("model", None)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    if apply_fn is None:
-        check_option_names(kwargs)
-        logger.warning("No Liger kernels for model_type %r; the model is left as is.", model_type)
-        return None
+    family = FAMILIES.get(model_type)
+    if apply_fn is None or (family is not None and apply_fn is _TABLE_APPLY_FNS.get(model_type)
+                            and not _is_family_model(model, family)):
+        # A model type transformers does not list, or a table model type whose config builds
+        # another family's classes: discovery decides from the modules themselves.
+        return patch_discovered(model, PatchOptions.from_kwargs(**kwargs))
     return apply_fn(model=model, **_accepted_kwargs(apply_fn, kwargs))
+
+
+def _is_family_model(model: nn.Module, family: ModelFamily) -> bool:
+    return any(cls.__name__ == family.causal_lm_class for cls in type(model).__mro__)
