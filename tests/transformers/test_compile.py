@@ -134,15 +134,15 @@ def test_traces_as_one_graph(model_type: str, class_level: bool) -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "mixtral"])
 def test_traces_after_an_eager_step(model_type: str) -> None:
-    """An eager training step first hooks the norm consumers (the recompute's module hooks:
-    every ``nn.Linear``, Mixtral's router); compiling the same model afterwards must still
-    trace as one graph (the hooks return at once there) with the eager step's results."""
+    """The patch hooks the norm consumers (the recompute's module hooks: every ``nn.Linear``,
+    Mixtral's router) and an eager training step uses them; compiling the same model
+    afterwards must still trace as one graph (the hooks return at once there) with the eager
+    step's results."""
     batch = _batch()
     model = _patched_model(model_type)
+    assert model.lm_head._forward_pre_hooks
     eager_loss = model(**batch).loss
     eager_loss.backward()
-    assert model.__dict__.get("_liger_consumer_hooks")
-    assert model.lm_head._forward_pre_hooks
     eager_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 

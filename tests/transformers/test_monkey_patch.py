@@ -65,15 +65,15 @@ def _bound_in_instance(module, name: str = "forward") -> bool:
 def test_every_family_has_a_generated_apply_function():
     import liger_kernel.transformers as lt
 
-    assert set(MODEL_TYPE_TO_APPLY_LIGER_FN) == set(MODEL_TYPES)
+    assert set(MODEL_TYPES) <= set(MODEL_TYPE_TO_APPLY_LIGER_FN)  # the table; discovery adds the rest
     for model_type in MODEL_TYPES:
         fn = getattr(lt, f"apply_liger_kernel_to_{model_type}")
         assert fn is MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
         activation = "geglu" if model_type.startswith("gemma") else "swiglu"
         params = inspect.signature(fn).parameters
         assert list(params) == ["rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", activation, "model",
-                                "recompute_norm_outputs"]
-        assert [p.default for p in params.values()] == [True, False, True, True, True, None, True]
+                                "recompute_norm_outputs", "in_place"]
+        assert [p.default for p in params.values()] == [True, False, True, True, True, None, True, True]
         with pytest.raises(TypeError):
             fn(not_an_option=True)
 
@@ -262,8 +262,8 @@ def test_with_global_overrides_rebuilds_decorator_chains():
 def test_kwargs_filtering_drops_and_logs(caplog):
     model = build_model("gemma")
     with caplog.at_level(logging.WARNING, logger="liger_kernel"):
-        _apply_liger_kernel_to_instance(model, swiglu=True, not_a_kernel=1, rope=False)
-    assert "swiglu" in caplog.text and "not_a_kernel" in caplog.text
+        _apply_liger_kernel_to_instance(model, swiglu=True, rope=False)
+    assert "swiglu" in caplog.text
     assert _bound_in_instance(model.model.norm)
     assert not _bound_in_instance(model.model.layers[0].self_attn)  # rope=False was honoured
 
@@ -277,6 +277,73 @@ def test_kwargs_filtering_drops_and_logs(caplog):
     with caplog.at_level(logging.WARNING, logger="liger_kernel"):
         _apply_liger_kernel("not_a_model")
     assert "not_a_model" in caplog.text
+
+
+@pytest.mark.parametrize("entry", ["instance", "class", "unsupported"])
+def test_unknown_option_is_a_type_error(entry):
+    """A keyword that is no patch option (a typo) raises instead of patching with defaults."""
+    with pytest.raises(TypeError, match="rms_nrom"):
+        if entry == "instance":
+            _apply_liger_kernel_to_instance(build_model("llama"), rms_nrom=False)
+        elif entry == "class":
+            _apply_liger_kernel("llama", rms_nrom=False)
+        else:
+            _apply_liger_kernel("not_a_model", rms_nrom=False)
+
+
+def test_patch_options_are_one_frozen_validated_object():
+    import dataclasses
+
+    from liger_kernel.transformers.monkey_patch import PatchOptions
+
+    options = PatchOptions.from_kwargs(rope=False, in_place=0)
+    assert options.rope is False and options.in_place is False and options.rms_norm is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.rope = True
+    with pytest.raises(TypeError, match="not_an_option"):
+        PatchOptions.from_kwargs(not_an_option=True)
+    with pytest.raises(ValueError, match="cross_entropy"):
+        PatchOptions.from_kwargs(cross_entropy=True)  # the fused loss is on by default
+    with pytest.raises(TypeError, match="rope"):
+        PatchOptions(rope="yes")
+
+
+@pytest.mark.parametrize("kind", ["mock", "autospec", "partial", "callable_object"])
+def test_registered_apply_function_may_be_any_callable(kind, monkeypatch, caplog):
+    """The model-type registry holds callables, not necessarily functions: a ``Mock``, a
+    ``functools.partial`` or an object with ``__call__`` has no ``__name__``."""
+    import functools
+    from unittest import mock
+
+    from liger_kernel.transformers import monkey_patch
+
+    calls = []
+
+    def record(rope=True, rms_norm=True, model=None):
+        calls.append({"rope": rope, "rms_norm": rms_norm, "model": model})
+
+    class Recorder:
+        def __call__(self, rope=True, rms_norm=True, model=None):
+            record(rope=rope, rms_norm=rms_norm, model=model)
+
+    fn = {
+        "mock": mock.Mock(side_effect=lambda **kw: calls.append(kw)),
+        "autospec": mock.create_autospec(record, side_effect=record),
+        "partial": functools.partial(record, rms_norm=True),
+        "callable_object": Recorder(),
+    }[kind]
+    monkeypatch.setitem(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN, "llama", fn)
+    model = build_model("llama")
+    with caplog.at_level(logging.WARNING, logger="liger_kernel"):
+        _apply_liger_kernel("llama", rope=False, swiglu=False)
+        _apply_liger_kernel_to_instance(model, rope=False, swiglu=False)
+    assert [call["rope"] for call in calls] == [False, False]
+    assert calls[1]["model"] is model
+    if kind == "mock":  # takes **kwargs: gets every option
+        assert calls[0] == {"rope": False, "swiglu": False}
+    else:
+        assert "swiglu" in caplog.text
+    assert not _bound_in_instance(model.model.norm)  # the registered callable ran, not the table's
 
 
 def test_instance_patch_checks_the_model_type():
@@ -452,7 +519,7 @@ def test_patched_model_pickles_saves_and_deepcopies(patch_level):
             model = build_model("llama", seed=2)
         assert type(model.model.norm).__name__ == "LigerLlamaRMSNorm"
     batch = random_batch(VOCAB, seed=9)
-    loss_and_grads(model, batch)  # a training step first: it installs the recompute hooks
+    loss_and_grads(model, batch)
     model.eval()
     expected = model(**batch).logits
     patched_names = liger_patched_modules(model)

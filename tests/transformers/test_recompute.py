@@ -7,6 +7,8 @@ keeps, measured here by an outer saved-tensor hook that sees every tensor saved 
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -32,12 +34,16 @@ class Block(torch.nn.Module):
         return x.sum() + (self.up(y) * torch.sigmoid(self.gate(y))).sum()
 
 
-def make_block(kind: str) -> Block:
+def make_block(kind: str, hooked: bool = True) -> Block:
+    """A block whose projections carry the recompute's consumer hooks (``hooked``), as a patch installs them."""
     torch.manual_seed(0)
     norm = LigerRMSNorm(HIDDEN) if kind == "rms" else LigerLayerNorm(HIDDEN)
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.3)
-    return Block(norm).to(DEVICE)
+    block = Block(norm).to(DEVICE)
+    if hooked:
+        hook_norm_consumers(block)
+    return block
 
 
 class SavedBytes:
@@ -59,25 +65,22 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-def grads(block: Block, x: torch.Tensor, recompute: bool, scope: str = "region") -> tuple[list[torch.Tensor], int]:
+def grads(block: Block, x: torch.Tensor, recompute: bool) -> tuple[list[torch.Tensor], int]:
     block.zero_grad(set_to_none=True)
-    if scope == "consumers":
-        hook_norm_consumers(block)
     x = x.detach().clone().requires_grad_(True)
-    with SavedBytes() as saved, recompute_norm_outputs(recompute, scope=scope):
+    with SavedBytes() as saved, recompute_norm_outputs(recompute):
         out = block(x)
     out.backward()
     return [x.grad] + [p.grad for p in block.parameters()], saved.total
 
 
-@pytest.mark.parametrize("scope", ["region", "consumers"])
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("shape", [(3, 5, HIDDEN), (7, HIDDEN)])
-def test_same_gradients_less_saved(kind, shape, scope):
+def test_same_gradients_less_saved(kind, shape):
     block = make_block(kind)
     x = torch.randn(shape, device=DEVICE)
     kept, kept_bytes = grads(block, x, recompute=False)
-    recomputed, recomputed_bytes = grads(block, x, recompute=True, scope=scope)
+    recomputed, recomputed_bytes = grads(block, x, recompute=True)
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
     # The two projections saved one view each of the same y: y no longer among the saved.
@@ -161,32 +164,27 @@ def test_create_graph_keeps_higher_order_path():
     assert torch.equal(gx.detach(), kept[0])
 
 
-def test_scope_is_checked():
-    with pytest.raises(ValueError, match="scope"):
-        with recompute_norm_outputs(scope="everything"):
-            pass
-
-
-def test_consumer_hooks_inert_outside_a_consumers_scope():
-    """Hooked Linear modules save as usual outside a "consumers" context (and inside a "region" one)."""
-    block = make_block("rms")
+def test_consumer_hooks_inert_outside_a_context():
+    """Hooked Linear modules save as usual outside a recompute context, and without hooks a
+    context has nothing to replace."""
+    block = make_block("rms", hooked=False)
     x = torch.randn(5, HIDDEN, device=DEVICE)
     plain, plain_bytes = grads(block, x, recompute=False)
+    unhooked, unhooked_bytes = grads(block, x, recompute=True)
     assert hook_norm_consumers(block) == 2
     assert hook_norm_consumers(block) == 0  # once per module
-    hooked, hooked_bytes = grads(block, x, recompute=False, scope="consumers")
-    region, region_bytes = grads(block, x, recompute=True, scope="region")
-    assert hooked_bytes == plain_bytes
-    assert region_bytes == plain_bytes - 2 * x.numel() * x.element_size()
-    for a, b, c in zip(plain, hooked, region):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    hooked, hooked_bytes = grads(block, x, recompute=False)
+    recomputed, recomputed_bytes = grads(block, x, recompute=True)
+    assert hooked_bytes == plain_bytes == unhooked_bytes
+    assert recomputed_bytes == plain_bytes - 2 * x.numel() * x.element_size()
+    for a, b, c, d in zip(plain, unhooked, hooked, recomputed):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
 
 
 def test_consumers_scope_only_hooks_norm_consumers():
     """Inside a "consumers" context only a Linear whose input is a norm output saves through the
     context's hooks: a Linear on another tensor, and the ops around, save as usual."""
     block = make_block("rms")
-    hook_norm_consumers(block)
     seen = []
     x = torch.randn(6, HIDDEN, device=DEVICE, requires_grad=True)
     other = torch.randn(6, HIDDEN, device=DEVICE, requires_grad=True)
@@ -195,7 +193,7 @@ def test_consumers_scope_only_hooks_norm_consumers():
         seen.append(t.data_ptr())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recompute_norm_outputs(scope="consumers"):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recompute_norm_outputs():
         y = block.norm(x)
         block.up(other)  # not a norm output: saved as usual, through the outer hook
         z = torch.sigmoid(block.gate(y))  # y replaced by a handle; sigmoid's output saved as usual
@@ -205,9 +203,8 @@ def test_consumers_scope_only_hooks_norm_consumers():
 
 def test_consumers_scope_hooks_popped_when_the_forward_raises():
     block = make_block("rms")
-    hook_norm_consumers(block)
     x = torch.randn(3, HIDDEN, device=DEVICE, requires_grad=True)
-    with recompute_norm_outputs(scope="consumers"):
+    with recompute_norm_outputs():
         y = block.norm(x)
         block.up.weight.data = block.up.weight.data[:, :-1]  # make the projection fail
         with pytest.raises(RuntimeError):
@@ -224,7 +221,7 @@ def test_consumers_scope_defers_to_checkpointing():
     hook_norm_consumers(block)
     block.zero_grad(set_to_none=True)
     xc = x.clone().requires_grad_(True)
-    with recompute_norm_outputs(scope="consumers"):
+    with recompute_norm_outputs():
         out = torch.utils.checkpoint.checkpoint(block, xc, use_reentrant=False)
     out.backward()
     for a, b in zip(kept, [xc.grad] + [p.grad for p in block.parameters()]):
@@ -242,7 +239,7 @@ def test_patched_model_same_gradients(model_type):
     for recompute in (False, True):
         model = build_model(model_type)
         _apply_liger_kernel_to_instance(model, recompute_norm_outputs=recompute)
-        assert model._liger_recompute_norm_outputs is recompute
+        assert bool(model.model.layers[0].mlp.up_proj._forward_pre_hooks) is recompute  # hooked when patched
         with SavedBytes() as saved:
             results.append((loss_and_grads(model, batch), saved.total))
     ((loss_a, grads_a), bytes_a), ((loss_b, grads_b), bytes_b) = results
@@ -316,68 +313,111 @@ def test_released_parameters_raise():
         out.backward()
 
 
-def steps_per_scope(monkeypatch, make_model, batch: dict, scopes=("region", "consumers")) -> dict:
-    """{scope: (loss, grads, saved bytes, model)} of one training step of ``make_model(scope)``
-    with the patched forward's recompute scope set to ``scope`` ("off": "region" with the
-    model patched by ``make_model`` without recompute)."""
-    import liger_kernel.transformers.causal_lm as causal_lm
+class SavedNormOutputs(SavedBytes):
+    """:class:`SavedBytes` that also counts the bytes of saved tensors that are (views starting
+    at) the output of a norm module of ``model``: what the recompute must drop."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm_bytes = 0
+        self._outputs: list = []
+        self._handles = [
+            module.register_forward_hook(lambda m, a, out: self._outputs.append(weakref.ref(out)))
+            for module in model.modules() if type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+        ]
+        assert self._handles
+
+    def _is_norm_output(self, t: torch.Tensor) -> bool:
+        for ref in self._outputs:
+            y = ref()
+            if (y is not None and t.data_ptr() == y.data_ptr() and t.dtype == y.dtype
+                    and t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()):
+                return True
+        return False
+
+    def __enter__(self):
+        def pack(t):
+            size = t.numel() * t.element_size()
+            self.total += size
+            if self._is_norm_output(t):
+                self.norm_bytes += size
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+
+
+def steps_with_and_without(make_model, batch: dict) -> dict:
+    """{recompute: (loss, grads, saved bytes, model, saved norm-output bytes)} of one training
+    step of ``make_model(recompute)``."""
     from tests.transformers.model_configs import loss_and_grads
 
     results = {}
-    for scope in scopes:
-        monkeypatch.setattr(causal_lm, "RECOMPUTE_SCOPE", "region" if scope == "off" else scope)
-        model = make_model(scope)
-        with SavedBytes() as saved:
+    for recompute in (False, True):
+        model = make_model(recompute)
+        with SavedNormOutputs(model) as saved:
             loss, grads_ = loss_and_grads(model, batch)
-        results[scope] = (loss, grads_, saved.total, model)
+        results[recompute] = (loss, grads_, saved.total, model, saved.norm_bytes)
     return results
 
 
-def assert_same_step(a: tuple, b: tuple) -> None:
-    """Bitwise the same loss and gradients, the same bytes saved."""
-    assert a[2] == b[2]
-    assert torch.equal(a[0], b[0])
-    assert a[1].keys() == b[1].keys()
-    for name in a[1]:
-        assert torch.equal(a[1][name], b[1][name]), name
+def assert_drops_every_saved_norm_output(results: dict) -> None:
+    """Bitwise the same loss and gradients; the recompute saves exactly the norm outputs the
+    plain step saved less, and none itself."""
+    (loss_a, grads_a, bytes_a, _, norm_a), (loss_b, grads_b, bytes_b, _, norm_b) = results[False], results[True]
+    assert norm_a > 0
+    assert norm_b == 0
+    assert bytes_a - bytes_b == norm_a
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3"])
-def test_patched_model_consumers_scope_saves_as_little_as_region(model_type, monkeypatch):
-    """The patched forward's "consumers" scope (hooks only inside the projections) drops every
-    norm output that the whole-region hooks drop: same saved bytes, bitwise the same gradients."""
+def test_patched_model_drops_every_saved_norm_output(model_type):
+    """The patch hooks the norm consumers (every ``nn.Linear``, the family's routers) when it
+    patches, before any forward; the fused forward's recompute then drops every norm output
+    the unrecomputed step saves, with bitwise the same gradients."""
     pytest.importorskip("transformers")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from tests.transformers.model_configs import build_model, random_batch
 
-    def make_model(scope):
+    def make_model(recompute):
         model = build_model(model_type)
-        _apply_liger_kernel_to_instance(model)
+        _apply_liger_kernel_to_instance(model, recompute_norm_outputs=recompute)
+        assert bool(model.model.layers[0].self_attn.o_proj._forward_pre_hooks) is recompute
         return model
 
-    results = steps_per_scope(monkeypatch, make_model, random_batch(1024, seed=1))
-    for scope, result in results.items():
-        assert result[3].__dict__.get("_liger_consumer_hooks", False) is (scope == "consumers")
-    assert_same_step(results["region"], results["consumers"])
+    assert_drops_every_saved_norm_output(steps_with_and_without(make_model, random_batch(1024, seed=1)))
 
 
-def test_class_level_patch_hooks_consumers_on_first_training_forward(monkeypatch):
-    """Models built after a class-level patch get the consumer hooks lazily, on their first
-    training forward, and save as little as with the region scope."""
+def test_class_level_patch_hooks_consumers_when_the_model_is_built():
+    """Models built after a class-level patch get the consumer hooks in their construction
+    (``post_init``), and their recompute drops every saved norm output; revert removes it."""
     pytest.importorskip("transformers")
-    from liger_kernel.transformers import liger_kernel_patched
+    from liger_kernel.transformers import _apply_liger_kernel, revert_liger_kernel
     from tests.transformers.model_configs import build_model, random_batch
 
-    def make_model(scope):
+    def make_model(recompute):
+        revert_liger_kernel("llama")
+        _apply_liger_kernel("llama", recompute_norm_outputs=recompute)
         model = build_model("llama")
-        assert not model.model.layers[0].self_attn.q_proj._forward_pre_hooks
+        assert bool(model.model.layers[0].self_attn.q_proj._forward_pre_hooks) is recompute
         return model
 
-    with liger_kernel_patched("llama"):
-        results = steps_per_scope(monkeypatch, make_model, random_batch(1024, seed=2))
-    for scope, result in results.items():
-        assert bool(result[3].model.layers[0].self_attn.q_proj._forward_pre_hooks) is (scope == "consumers")
-    assert_same_step(results["region"], results["consumers"])
+    try:
+        results = steps_with_and_without(make_model, random_batch(1024, seed=2))
+    finally:
+        revert_liger_kernel("llama")
+    assert_drops_every_saved_norm_output(results)
+    assert not build_model("llama").model.layers[0].self_attn.q_proj._forward_pre_hooks
 
 
 def test_consumers_scope_threads_interleaved():
@@ -411,7 +451,7 @@ def test_consumers_scope_threads_interleaved():
             hook_norm_consumers(block)
             handle = block.up.register_forward_pre_hook(wait_inside(index))  # after the recompute's hook
             try:
-                results[index] = grads(block, x, recompute=True, scope="consumers")
+                results[index] = grads(block, x, recompute=True)
             finally:
                 handle.remove()
             assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
@@ -440,9 +480,8 @@ def test_consumers_scope_respects_hooks_disabled_inside():
     """A consumer that runs where saved-tensor hooks were disabled after the context began
     saves as usual instead of failing to push the context's hooks."""
     block = make_block("rms")
-    hook_norm_consumers(block)
     x = torch.randn(4, HIDDEN, device=DEVICE, requires_grad=True)
-    with recompute_norm_outputs(scope="consumers"):
+    with recompute_norm_outputs():
         y = block.norm(x)
         with torch.autograd.graph.disable_saved_tensors_hooks("disabled for this test"):
             out = block.up(y).sum()
@@ -451,16 +490,16 @@ def test_consumers_scope_respects_hooks_disabled_inside():
     assert x.grad is not None
 
 
-def test_lora_adapters_are_consumers_too(monkeypatch):
+def test_lora_adapters_are_consumers_too():
     """With PEFT LoRA on the projections (dropout 0: the adapters' ``lora_A`` receive the norm
-    output itself) the consumer scope drops every saved norm output the region scope drops:
-    the base layers and the adapters are all ``nn.Linear``. Bitwise the same gradients."""
+    output itself) the recompute drops every saved norm output: the base layers and the
+    adapters are all ``nn.Linear``, hooked by the patch. Bitwise the same gradients."""
     pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from tests.transformers.model_configs import build_model, random_batch
 
-    def make_model(scope):
+    def make_model(recompute):
         config = peft.LoraConfig(r=4, lora_dropout=0.0,
                                  target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
         model = peft.get_peft_model(build_model("llama", seed=3), config)
@@ -469,10 +508,9 @@ def test_lora_adapters_are_consumers_too(monkeypatch):
             for name, param in model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(std=0.1)
-        _apply_liger_kernel_to_instance(model, recompute_norm_outputs=scope != "off")
+        _apply_liger_kernel_to_instance(model, recompute_norm_outputs=recompute)
         return model
 
-    results = steps_per_scope(monkeypatch, make_model, random_batch(1024, seed=3), ("off", "region", "consumers"))
-    assert results["region"][2] < results["off"][2]
-    assert any("lora_A" in name for name in results["region"][1])
-    assert_same_step(results["region"], results["consumers"])
+    results = steps_with_and_without(make_model, random_batch(1024, seed=3))
+    assert any("lora_A" in name for name in results[True][1])
+    assert_drops_every_saved_norm_output(results)

@@ -27,9 +27,9 @@ STEPS = 3
 
 
 class _Rows(torch.utils.data.Dataset):
-    def __init__(self, n: int = 8, seq: int = 12):
+    def __init__(self, n: int = 8, seq: int = 12, vocab: int = VOCAB):
         self.rows = [
-            {k: v[0] for k, v in random_batch(VOCAB, batch=1, seq=seq, seed=50 + i, device="cpu").items()} for i in range(n)
+            {k: v[0] for k, v in random_batch(vocab, batch=1, seq=seq, seed=50 + i, device="cpu").items()} for i in range(n)
         ]
 
     def __len__(self) -> int:
@@ -58,9 +58,9 @@ def _args(tmp_path, **kwargs):
     )
 
 
-def _train(model, tmp_path, **kwargs):
-    trainer = transformers.Trainer(model=model, args=_args(tmp_path, **kwargs), train_dataset=_Rows(),
-                                   eval_dataset=_Rows(4))
+def _train(model, tmp_path, vocab: int = VOCAB, **kwargs):
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, **kwargs), train_dataset=_Rows(vocab=vocab),
+                                   eval_dataset=_Rows(4, vocab=vocab))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return trainer, losses
@@ -117,4 +117,20 @@ def test_peft_lora_model(tmp_path):
     _, losses = _train(lora, tmp_path / "liger", use_liger_kernel=True)
     inner = lora.get_base_model()
     assert _instance_patched(inner) and _instance_patched(inner.model.layers[0].mlp)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "qwen3_moe"])
+def test_use_liger_kernel_patches_a_discovered_model_type(model_type, tmp_path):
+    """A model type the families table does not name is patched by discovery through the
+    Trainer flag and trains like the unpatched model."""
+    from tests.transformers.tiny_models import VOCAB as TINY_VOCAB
+    from tests.transformers.tiny_models import tiny_model
+
+    reference, _ = tiny_model(model_type)
+    model = copy.deepcopy(reference)
+    _, ref_losses = _train(reference, tmp_path / "ref", vocab=TINY_VOCAB)
+    _, losses = _train(model, tmp_path / "liger", vocab=TINY_VOCAB, use_liger_kernel=True)
+    assert _instance_patched(model) and _instance_patched(model.model.norm)
+    assert len(losses) == STEPS
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)

@@ -22,21 +22,16 @@ _EXPORTS = {
     "LigerTVDLoss": "tvd",
     "liger_tvd": "tvd",
     "triton_grpo_loss": "grpo_loss",
-    # patching (needs transformers)
-    "apply_liger_kernel_to_llama": "monkey_patch",
-    "apply_liger_kernel_to_mistral": "monkey_patch",
-    "apply_liger_kernel_to_mixtral": "monkey_patch",
-    "apply_liger_kernel_to_gemma": "monkey_patch",
-    "apply_liger_kernel_to_gemma2": "monkey_patch",
-    "apply_liger_kernel_to_qwen2": "monkey_patch",
-    "apply_liger_kernel_to_qwen3": "monkey_patch",
-    "apply_liger_kernel_to_phi3": "monkey_patch",
+    # patching (needs transformers); apply_liger_kernel_to_<model_type> for every model type
+    # transformers lists is resolved by __getattr__ below
     "revert_liger_kernel": "monkey_patch",
     "liger_kernel_patched": "monkey_patch",
     "liger_patched_modules": "monkey_patch",
     "_apply_liger_kernel": "monkey_patch",
     "_apply_liger_kernel_to_instance": "monkey_patch",
     "MODEL_TYPE_TO_APPLY_LIGER_FN": "monkey_patch",
+    "PatchOptions": "monkey_patch",
+    "PatchReport": "monkey_patch",
     "AutoLigerKernelForCausalLM": "auto_model",
 }
 
@@ -44,10 +39,13 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name):
-    if name in _EXPORTS:
+    module_name = _EXPORTS.get(name)
+    if module_name is None and name.startswith("apply_liger_kernel_to_"):
+        module_name = "monkey_patch"
+    if module_name is not None:
         import importlib
 
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        module = importlib.import_module(f"{__name__}.{module_name}")
         value = getattr(module, name)
         globals()[name] = value
         return value

@@ -1,7 +1,8 @@
 """``AutoLigerKernelForCausalLM``: ``AutoModelForCausalLM`` that returns a Liger-patched model.
 
-Liger options (``rope``, ``rms_norm``, ``swiglu``/``geglu``, ``cross_entropy``,
-``fused_linear_cross_entropy``) are taken out of the keyword arguments; the rest go to
+Liger options (the fields of :class:`~liger_kernel.transformers.patching.options.PatchOptions`:
+``rope``, ``rms_norm``, ``swiglu``/``geglu``, ``cross_entropy``, ``fused_linear_cross_entropy``,
+...) are taken out of the keyword arguments; the rest go to
 Hugging Face unchanged. The loaded model is patched in place for its own
 ``config.model_type`` (no class-level side effect on other models); options the family does
 not take are dropped with a warning, an unsupported model type is returned unpatched.
@@ -9,21 +10,13 @@ not take are dropped with a warning, an unsupported model type is returned unpat
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from liger_kernel.transformers.monkey_patch import (
-    MODEL_TYPE_TO_APPLY_LIGER_FN,
-    _apply_liger_kernel_to_instance,
-)
+from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+from liger_kernel.transformers.patching.options import PatchOptions
 from transformers import AutoModelForCausalLM
 
-LIGER_OPTIONS = frozenset(
-    name
-    for apply_fn in MODEL_TYPE_TO_APPLY_LIGER_FN.values()
-    for name in inspect.signature(apply_fn).parameters
-    if name != "model"
-)
+LIGER_OPTIONS = frozenset(PatchOptions.names())
 
 
 def _split_liger_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

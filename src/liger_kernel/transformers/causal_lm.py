@@ -25,26 +25,28 @@ Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_uti
 * a mixture-of-experts family adds ``router_aux_loss_coef * aux`` where ``aux`` is the
   modeling module's load-balancing loss of the router logits (``output_router_logits``).
 
-With ``_liger_recompute_norm_outputs`` set on the model (the patch's
-``recompute_norm_outputs=True``, the default) the decoder runs inside
-:func:`liger_kernel.transformers.recompute.recompute_norm_outputs` with ``scope="consumers"``:
-the norm outputs the projections save are recomputed in backward instead of kept (same
-values, less memory). Under autocast that casts the residual stream's dtype (the HF
-Trainer's ``bf16=True`` over fp32 weights) the projections save their own casts instead, so
-the context is not entered there: it would only spend host time on its hooks. The first such forward hooks the model's ``nn.Linear`` modules and the
-family's other norm consumers (:func:`~liger_kernel.transformers.recompute.hook_norm_consumers`).
+The forward is built per :class:`FusedLossSpec` (:func:`fused_loss_forward`): the family's
+soft-cap attribute and router loss, and whether the norm outputs are recomputed. With
+``recompute_norm_outputs`` the decoder runs inside
+:func:`liger_kernel.transformers.recompute.recompute_norm_outputs`: the norm outputs the
+projections save are recomputed in backward instead of kept (same values, less memory); the
+patch installs the consumer hooks this needs
+(:func:`~liger_kernel.transformers.recompute.hook_norm_consumers`) when it patches. Under
+autocast that casts the residual stream's dtype (the HF Trainer's ``bf16=True`` over fp32
+weights) the projections save their own casts instead, so the context is not entered there:
+it would only spend host time on its hooks.
 
 Logits are returned when asked (``skip_logits=False``) and by default whenever the model is
 not training or has no labels - evaluation, ``generate()``. The loss then comes from the
 model's own ``self.loss_function`` on those logits, exactly as the unpatched forward does
 (except that a mean over all-ignored targets is 0, not NaN, as above).
 
-The family details (soft-cap attribute, router loss function) come from
-:mod:`liger_kernel.transformers.families`; this module imports ``transformers`` only lazily.
+This module imports ``transformers`` only lazily.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -60,14 +62,10 @@ from liger_kernel.transformers.distributed import (
     forward_is_wrapped,
     unwrapped_class,
 )
-from liger_kernel.transformers.families import ModelFamily, family_of
-from liger_kernel.transformers.recompute import autocast_recasts, hook_norm_consumers, recompute_norm_outputs
+from liger_kernel.transformers.patching.binding import set_recipe
+from liger_kernel.transformers.recompute import autocast_recasts, recompute_norm_outputs
 
 IGNORE_INDEX = -100
-# Where the norm-output recompute hooks are active (see liger_kernel.transformers.recompute):
-# "consumers" (only inside the projections that save norm outputs) or "region" (the whole
-# decoder forward; kept for A/B measurements, it costs host time in every op).
-RECOMPUTE_SCOPE = "consumers"
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -197,16 +195,53 @@ def _zero_if_nothing_counted(
     return torch.where(counted, loss, torch.zeros_like(loss))
 
 
-def _router_aux_loss_fn(family: ModelFamily | None):
-    if family is None or family.router_aux_loss_fn is None:
-        return None
-    return getattr(importlib.import_module(family.modeling_module), family.router_aux_loss_fn)
+@dataclasses.dataclass(frozen=True)
+class FusedLossSpec:
+    """What the fused-loss forward of one model needs beyond the model itself.
+
+    Attributes:
+        logit_softcap_attr: config attribute of a final-logit tanh soft-cap
+            (``logits = c * tanh(logits / c)``; Gemma 2's ``final_logit_softcapping``), None if none.
+        router_aux_loss_fn: ``"module:function"`` of the router load-balancing loss a
+            mixture-of-experts model adds (``router_aux_loss_coef * aux``) when router logits
+            are asked; None for a dense model.
+        num_experts_attr: config attribute holding the number of experts that loss takes.
+        recompute_norm_outputs: run the decoder inside the norm-output recompute context.
+        output_class: ``"module:Class"`` of the model's own output (e.g. a vision-language
+            model's, with its image hidden states); its fields not computed here are taken from
+            the decoder's outputs by name. None: ``CausalLMOutputWithPast`` (``Moe...`` for MoE).
+        extra_parameters: names the model's own forward takes besides the standard ones
+            (``pixel_values``, ``image_sizes``, ...): listed in the fused forward's signature
+            (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
+
+    Config attributes are read from the text config (``config.get_text_config()``, the config
+    itself for a causal LM).
+    """
+
+    logit_softcap_attr: str | None = None
+    router_aux_loss_fn: str | None = None
+    num_experts_attr: str = "num_local_experts"
+    recompute_norm_outputs: bool = False
+    output_class: str | None = None
+    extra_parameters: tuple[str, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.router_aux_loss_fn is not None
 
 
-def _logit_softcap(config, family: ModelFamily | None) -> float | None:
-    if family is None or family.logit_softcap_attr is None:
-        return None
-    return getattr(config, family.logit_softcap_attr, None)
+def _qualified(name: str):
+    """The object ``"module:attribute"`` names."""
+    module, attribute = name.split(":")
+    value = importlib.import_module(module)
+    for part in attribute.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _text_config(config):
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
 
 
 def _fused_lm_head_loss(
@@ -218,8 +253,9 @@ def _fused_lm_head_loss(
     return liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs)
 
 
-def liger_causal_lm_forward(
+def _fused_loss_forward(
     self,
+    spec: FusedLossSpec,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
@@ -231,7 +267,7 @@ def liger_causal_lm_forward(
     skip_logits: bool | None = None,
     **kwargs: Any,
 ):
-    """Drop-in ``forward`` for every ``*ForCausalLM`` in :data:`families.FAMILIES`.
+    """The body of every forward :func:`fused_loss_forward` builds.
 
     Arguments are those of the HF forward (``input_ids`` (B, T), ``labels`` (B, T), ...) plus
     ``skip_logits``: True computes only the loss with the fused kernel (needs labels or
@@ -247,7 +283,7 @@ def liger_causal_lm_forward(
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     config = self.config
-    family = family_of(getattr(config, "model_type", ""))
+    text_config = _text_config(config)
 
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
@@ -260,17 +296,19 @@ def liger_causal_lm_forward(
     if past_key_values is None:
         past_key_values = cache
 
-    is_moe = family is not None and family.is_moe
+    is_moe = spec.is_moe
     output_router_logits = kwargs.pop("output_router_logits", None)
     if is_moe:
         if output_router_logits is None:
-            output_router_logits = getattr(config, "output_router_logits", False)
+            output_router_logits = getattr(config, "output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = getattr(text_config, "output_router_logits", False)
         kwargs["output_router_logits"] = output_router_logits
 
     base_model = getattr(self, self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
-    recompute = getattr(self, "_liger_recompute_norm_outputs", False)
-    if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    recompute = spec.recompute_norm_outputs and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if recompute:
         # The residual stream's dtype is the embeddings'; its device the inputs' (offloaded
         # embedding weights sit on the meta device until their hook loads them).
         residual = inputs_embeds if inputs_embeds is not None else getattr(self.get_input_embeddings(), "weight", None)
@@ -278,11 +316,7 @@ def liger_causal_lm_forward(
         # Under autocast the projections save casts of the norm outputs: nothing to recompute.
         if isinstance(residual, torch.Tensor) and isinstance(placed, torch.Tensor):
             recompute = not autocast_recasts(placed.device.type, residual.dtype)
-    if (recompute and RECOMPUTE_SCOPE == "consumers" and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and not self.__dict__.get("_liger_consumer_hooks")):
-        hook_norm_consumers(self, family.norm.consumer_classes if family is not None else ())
-        self.__dict__["_liger_consumer_hooks"] = True
-    with recompute_norm_outputs(recompute, scope=RECOMPUTE_SCOPE):
+    with recompute_norm_outputs(recompute):
         outputs = base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -300,7 +334,7 @@ def liger_causal_lm_forward(
     if skip_logits and not has_targets:
         raise ValueError("skip_logits=True needs `labels` or `shift_labels` to compute the loss from.")
 
-    softcap = _logit_softcap(config, family)
+    softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
     lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
@@ -350,7 +384,8 @@ def liger_causal_lm_forward(
             loss_kwargs = {"num_items_in_batch": num_items_in_batch, "ignore_index": ignore_index}
             if shift_labels is not None:
                 loss_kwargs["shift_labels"] = shift_labels
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size,
+                                      **loss_kwargs)
             if num_items_in_batch is None:
                 loss = _zero_if_nothing_counted(loss, labels, shift_labels, ignore_index)
         if skip_logits:
@@ -365,15 +400,77 @@ def liger_causal_lm_forward(
     output_class = CausalLMOutputWithPast
     if is_moe:
         output_class = MoeCausalLMOutputWithPast
+    if spec.output_class is not None:
+        output_class = _qualified(spec.output_class)
+    if is_moe:
         aux_loss = None
         if output_router_logits:
-            aux_loss = _router_aux_loss_fn(family)(
-                outputs.router_logits, config.num_local_experts, config.num_experts_per_tok, attention_mask
+            aux_loss = _qualified(spec.router_aux_loss_fn)(
+                outputs.router_logits, getattr(text_config, spec.num_experts_attr), text_config.num_experts_per_tok,
+                attention_mask,
             )
             if loss is not None:
-                loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
         fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
     fields[_output_cache_field(output_class)] = getattr(outputs, _output_cache_field(type(outputs)), None)
+    if spec.output_class is not None:
+        # The model's own output fields (image hidden states, rope deltas, ...) come from the decoder's.
+        declared = output_class.__dataclass_fields__
+        fields = {name: fields[name] if name in fields else getattr(outputs, name, None) for name in declared}
 
     output = output_class(**fields)
     return output if return_dict else output.to_tuple()
+
+
+def fused_loss_forward(spec: FusedLossSpec = FusedLossSpec()):
+    """The fused-loss ``*ForCausalLM.forward`` for ``spec`` (one function per spec, cached).
+
+    Arguments are those of the HF forward (``input_ids`` (B, T), ``labels`` (B, T), ...) plus
+    ``skip_logits``: True computes only the loss with the fused kernel (needs labels or
+    ``shift_labels``), False always returns logits; None (default) skips them exactly when
+    training with labels. Loss-only keyword arguments: ``num_items_in_batch``,
+    ``shift_labels`` (B, T), ``ignore_index``; ``return_dict=False`` returns a tuple; MoE
+    models take ``output_router_logits``. Everything else goes to the decoder.
+
+    The explicit signature matters: the Trainer keeps dataset columns named in it and passes
+    ``num_items_in_batch`` only to a forward with ``**kwargs``; ``generate()`` looks for
+    ``logits_to_keep``, ``attention_mask`` and ``position_ids`` in it.
+    """
+    # Looked up now (patching or unpickling), not in the forward: torch.compile cannot trace it there.
+    _hf_slice_logits_to_keep()
+    return _build_fused_loss_forward(spec)
+
+
+@functools.cache
+def _build_fused_loss_forward(spec: FusedLossSpec):
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        skip_logits: bool | None = None,
+        **kwargs: Any,
+    ):
+        return _fused_loss_forward(self, spec, input_ids, attention_mask, position_ids, past_key_values,
+                                   inputs_embeds, labels, use_cache, logits_to_keep, skip_logits, **kwargs)
+
+    forward.__doc__ = fused_loss_forward.__doc__
+    forward.__qualname__ = "liger_causal_lm_forward"
+    if spec.extra_parameters:
+        signature = inspect.signature(forward)
+        parameters = list(signature.parameters.values())
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+                 for name in spec.extra_parameters if name not in signature.parameters]
+        forward.__signature__ = signature.replace(parameters=parameters[:-1] + extra + parameters[-1:])
+    return set_recipe(forward, fused_loss_forward, spec)
+
+
+def is_fused_loss_forward(fn: Any) -> bool:
+    """Whether ``fn`` is a forward :func:`fused_loss_forward` built."""
+    recipe = getattr(fn, "_liger_recipe", None)
+    return isinstance(recipe, tuple) and bool(recipe) and recipe[0] is fused_loss_forward

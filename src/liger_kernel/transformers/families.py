@@ -1,9 +1,12 @@
-"""The declarative table of Hugging Face model families that :mod:`monkey_patch` knows how to patch.
+"""The declarative table of Hugging Face model families: overrides of discovery, and documentation.
 
-Everything that differs between families lives here as data; the patching code
-(:mod:`liger_kernel.transformers.monkey_patch`) and the fused-loss forward
-(:mod:`liger_kernel.transformers.causal_lm`) read it and contain no per-model branches.
-Adding a family that follows an existing pattern is one new :class:`ModelFamily` entry.
+Any model is patched by discovery (:mod:`liger_kernel.transformers.patching.discovery`); a
+model type named here is patched from its entry instead (the entry wins), which also gives its
+``apply_liger_kernel_to_<model_type>`` the family's signature (``swiglu`` or ``geglu``) and
+the class-level patch of its modeling module. Everything that differs between families lives
+here as data; the patching code (:mod:`liger_kernel.transformers.patching`) and the fused-loss
+forward (:mod:`liger_kernel.transformers.causal_lm`) contain no per-model branches. Adding a
+family that follows an existing pattern is one new :class:`ModelFamily` entry.
 
 Per family the table records
 

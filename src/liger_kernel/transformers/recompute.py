@@ -15,18 +15,12 @@ the same inputs: bitwise the same values) and every handle returns its view of i
 Everything else is saved as usual, and hooks already active outside (e.g. ``save_on_cpu``)
 still handle those tensors.
 
-Where the hooks are active is the context's ``scope``:
-
-* ``"region"`` (the default): the whole body of the context. Any consumer of ``y`` benefits,
-  but every tensor saved in the region passes through the Python hooks, and ops run markedly
-  slower on the host with Python saved-tensor hooks active (attention's most of all): ~0.6 ms
-  of host time per Llama decoder layer on a 2-core CPU, the kernel launches stubbed out.
-* ``"consumers"``: only inside the forward of a consumer module (every ``nn.Linear``, plus
-  the classes a model family names, e.g. Mixtral's router) whose first input is a registered
-  norm output, via the module hooks :func:`hook_norm_consumers` installs. In the supported
-  families those modules (projections, LoRA adapters, routers) are what save norm outputs, so
-  the memory saved is the same (``tests/transformers/test_recompute.py`` checks it per
-  family), at ~0.1 ms a layer on that CPU. The patched causal-LM forward uses this.
+The hooks are active only inside the forward of a consumer module (every ``nn.Linear``, plus
+the classes a model family names, e.g. Mixtral's router) whose first input is a registered
+norm output, via the module hooks :func:`hook_norm_consumers` installs (the patch installs
+them when it patches a model). In the supported families those modules (projections, LoRA
+adapters, routers) are what save norm outputs; every other op runs without Python
+saved-tensor hooks, which would slow it down on the host.
 
 Each context belongs to the thread that entered it (``nn.DataParallel`` runs one replica's
 forward per thread): norms register into, and consumers push the hooks of, their own thread's
@@ -61,8 +55,6 @@ import torch
 _ACTIVE: list[_Session] = []
 # (thread, consumer module) whose forward pushed its thread's session hooks, innermost last.
 _PUSHED: list[tuple[int, torch.nn.Module]] = []
-
-SCOPES = ("region", "consumers")
 
 
 class _Recipe:
@@ -120,15 +112,13 @@ def _address_key(t: torch.Tensor) -> int | None:
 class _Session:
     """One active context: its registry (output address -> (weak output, recipe)) and its hooks."""
 
-    __slots__ = ("outputs", "scope", "thread", "outer", "pack", "unpack")
+    __slots__ = ("outputs", "thread", "outer", "pack", "unpack")
 
-    def __init__(self, scope: str) -> None:
+    def __init__(self) -> None:
         self.outputs: dict[int, tuple[weakref.ref, _Recipe]] = {}
-        self.scope = scope
         self.thread = threading.get_ident()
-        # The hooks active when the context was entered: ours chain to them, and in the
-        # "consumers" scope a consumer whose forward finds other hooks on top (activation
-        # checkpointing) leaves saving to those.
+        # The hooks active when the context was entered: ours chain to them, and a consumer
+        # whose forward finds other hooks on top (activation checkpointing) leaves saving to those.
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = self.outer if self.outer is not None else (None, None)
         outputs = self.outputs
@@ -206,27 +196,18 @@ def recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def recompute_norm_outputs(enabled: bool = True, scope: str = "region") -> Iterator[None]:
-    """Within this context, autograd saves Liger norm outputs as recipes (see the module docstring).
-
-    ``scope="region"`` hooks every tensor saved in the body; ``scope="consumers"`` only those
-    saved inside modules hooked by :func:`hook_norm_consumers` whose first input is a norm
-    output registered here.
-    """
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+def recompute_norm_outputs(enabled: bool = True) -> Iterator[None]:
+    """Within this context, autograd saves Liger norm outputs as recipes (see the module docstring):
+    those saved inside modules hooked by :func:`hook_norm_consumers` whose first input is a
+    norm output registered here."""
     if (not enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling()
             or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
         yield
         return
-    session = _Session(scope)
+    session = _Session()
     _ACTIVE.append(session)
     try:
-        if scope == "region":
-            with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
-                yield
-        else:
-            yield
+        yield
     finally:
         _ACTIVE.remove(session)
         # Autograd keeps ``pack`` (so this dict) alive with every tensor saved here; cleared,
@@ -238,8 +219,7 @@ def _consumer_pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if not _ACTIVE or not args:
         return
     session = _current_session()
-    if (session is None or session.scope != "consumers" or not session.outputs
-            or session.outputs.get(_address_key(args[0])) is None):
+    if session is None or not session.outputs or session.outputs.get(_address_key(args[0])) is None:
         return
     # Code that disabled saved-tensor hooks since the context began (torch.func transforms)
     # would make the push raise; code that pushed its own (checkpointing) owns the saving.
@@ -271,10 +251,10 @@ def has_only_recompute_hooks(module: torch.nn.Module) -> bool:
 
 
 def hook_norm_consumers(model: torch.nn.Module, class_names: tuple[str, ...] = ()) -> int:
-    """Install the ``"consumers"`` scope's forward hooks on every ``nn.Linear`` of ``model`` and
-    every module whose class is named in ``class_names`` (each module once).
+    """Install the recompute's forward hooks on every ``nn.Linear`` of ``model`` and every
+    module whose class is named in ``class_names`` (each module once).
 
-    Outside a ``recompute_norm_outputs(scope="consumers")`` context the hooks return at once.
+    Outside a :func:`recompute_norm_outputs` context the hooks return at once.
     Modules added later (e.g. adapters attached after the first training step) are not hooked
     until this is called again; a norm output they save is then kept as usual.
     Returns the number of modules newly hooked.

@@ -1,0 +1,157 @@
+"""Patching a model the families table does not name, by :mod:`discovery`.
+
+:func:`patch_discovered` walks the model once: every module whose structure makes it a
+candidate (norm, gated MLP, fused experts, attention calling ``apply_rotary_pos_emb``) is
+probed against its Liger replacement (cached per class and configuration) and, when equal
+and its option is on, switched to the Liger method on this instance only
+(:func:`~liger_kernel.transformers.patching.binding.bind_method`); the head and loss forward
+is replaced by the fused-loss forward when its probe passes. Everything found and left
+alone is in the returned :class:`~liger_kernel.transformers.patching.report.PatchReport`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from liger_kernel.transformers.causal_lm import fused_loss_forward, liger_causal_lm_loss
+from liger_kernel.transformers.patching import discovery
+from liger_kernel.transformers.patching.binding import bind_method, with_global_overrides
+from liger_kernel.transformers.patching.options import PatchOptions
+from liger_kernel.transformers.patching.report import PatchReport
+from liger_kernel.transformers.recompute import hook_norm_consumers
+
+logger = logging.getLogger(__name__)
+
+# Module classes, besides nn.Linear, that receive a norm output and save it for backward
+# (MoE routers computing F.linear on their own weight): the recompute hooks them too.
+_CONSUMER_SUFFIXES = ("Router", "TopKRouter", "Gate")
+
+
+def _patch_norm(module: nn.Module, plan: discovery.NormPlan, options: PatchOptions) -> None:
+    from liger_kernel.transformers.layer_norm import LigerLayerNorm
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    eps = discovery.norm_epsilon(module)
+    if getattr(module, "variance_epsilon", None) is None and getattr(module, "eps", None) is None:
+        module.variance_epsilon = eps
+    module.in_place = options.in_place
+    liger = LigerLayerNorm if plan.kind == "layer_norm" else LigerRMSNorm
+    if plan.kind == "rms_norm":
+        module.offset = plan.offset
+        module.casting_mode = plan.casting_mode
+    bind_method(module, "forward", liger.forward)
+    bind_method(module, "extra_repr", liger.extra_repr)
+
+
+class _Walk:
+    """One pass over a model: candidates probed, patched or recorded as left alone."""
+
+    def __init__(self, model: nn.Module, options: PatchOptions, report: PatchReport) -> None:
+        self.model = model
+        self.options = options
+        self.report = report
+        self._left: set[tuple[str, str]] = set()
+        self._rope_dims: tuple[int, set[int]] | None | bool = False
+
+    def leave(self, module: nn.Module, why: str) -> None:
+        entry = (type(module).__name__, why)
+        if entry not in self._left:
+            self._left.add(entry)
+            self.report.leave(entry[0], why)
+
+    def norm(self, module: nn.Module) -> None:
+        plan = discovery.probe_norm(module)
+        if isinstance(plan, str):
+            self.leave(module, plan)
+        elif getattr(self.options, plan.kind):
+            _patch_norm(module, plan, self.options)
+            self.report.count(plan.kind, 1)
+
+    def mlp(self, module: nn.Module) -> None:
+        plan = discovery.probe_mlp(module)
+        if isinstance(plan, str):
+            self.leave(module, plan)
+        elif self.options.gated(plan.option):
+            module._liger_activation = plan.activation
+            module.in_place = self.options.in_place
+            bind_method(module, "forward", discovery.liger_mlp_forward)
+            self.report.count(plan.option, 1)
+
+    def experts(self, module: nn.Module) -> None:
+        from liger_kernel.transformers.patching.replacements import liger_experts_forward
+
+        why = discovery.probe_experts(module)
+        if why is not None:
+            self.leave(module, why)
+        elif self.options.swiglu:
+            bind_method(module, "forward", liger_experts_forward)
+            bind_method(module, "_apply_gate", discovery.liger_silu_apply_gate)
+            self.report.count("swiglu", 1)
+
+    def rope(self, module: nn.Module, forward, fn) -> None:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+        if self._rope_dims is False:
+            self._rope_dims = discovery.rotary_dims(self.model)
+        if self._rope_dims is None:
+            self.leave(module, "no rotary embedding module whose cos gives the rotary dims")
+            return
+        device = discovery._probe_device(module) or next((p.device for p in self.model.parameters()), None)
+        why = discovery.probe_rope(fn, *self._rope_dims, device=device)
+        if why is not None:
+            self.leave(module, why)
+            return
+        bind_method(module, "forward", with_global_overrides(forward, {discovery.ROTARY_NAME: liger_rotary_pos_emb}))
+        self.report.count("rope", 1)
+
+    def run(self) -> None:
+        options = self.options
+        for module in self.model.modules():
+            if module is self.model:
+                continue
+            if (options.rms_norm or options.layer_norm) and discovery.is_norm_candidate(module):
+                self.norm(module)
+            elif (options.swiglu or options.geglu) and discovery.mlp_layout(module) is not None:
+                self.mlp(module)
+            elif options.swiglu and discovery.is_experts_candidate(module):
+                self.experts(module)
+            if options.rope:
+                found = discovery.rotary_function(module)
+                if found is not None:
+                    self.rope(module, *found)
+
+
+def patch_head(model: nn.Module, options: PatchOptions, report: PatchReport) -> None:
+    """The fused-loss forward (or the Liger cross-entropy loss function) on ``model`` when its
+    head probe passes; the recompute's consumer hooks installed with it."""
+    if not (options.fused_linear_cross_entropy or options.cross_entropy):
+        return
+    cls = discovery.base_class(model)
+    spec = discovery.probe_head(model)
+    if isinstance(spec, str):
+        report.leave(cls.__name__ + " (loss)", spec)
+        return
+    if options.cross_entropy:
+        model.loss_function = liger_causal_lm_loss
+        report.count("cross_entropy", 1)
+        return
+    import dataclasses
+
+    spec = dataclasses.replace(spec, recompute_norm_outputs=options.recompute_norm_outputs)
+    bind_method(model, "forward", fused_loss_forward(spec))
+    report.count("fused_linear_cross_entropy", 1)
+    if options.recompute_norm_outputs:
+        consumers = tuple({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(_CONSUMER_SUFFIXES)})
+        hook_norm_consumers(model, consumers)
+
+
+def patch_discovered(model: nn.Module, options: PatchOptions) -> PatchReport:
+    """Patch ``model`` in place with every kernel discovery proves equal (see the module docstring)."""
+    report = PatchReport(getattr(model.config, "model_type", None), options)
+    _Walk(model, options, report).run()
+    patch_head(model, options, report)
+    logger.info("Liger kernels discovered in a %s instance: %s; left alone: %s", report.model_type,
+                report.patched, report.left_alone)
+    return report
