@@ -9,6 +9,7 @@ _EXPORTS = {
     "LigerGatedDownProjFunction": "swiglu",
     "LigerCrossEntropyFunction": "cross_entropy",
     "LigerFusedLinearCrossEntropyFunction": "fused_linear_cross_entropy",
+    "LigerChunkedHeadFunction": "chunked_head",
 }
 
 __all__ = list(_EXPORTS)
