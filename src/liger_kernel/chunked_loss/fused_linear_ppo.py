@@ -1,0 +1,192 @@
+"""Policy-gradient losses of a linear head's per-token log-probabilities, without the logits.
+
+:class:`LigerFusedLinearPPOBase` is the base of the RL losses (:mod:`.grpo_loss`): the policy's
+hidden states ``x`` (B, T, D) of B completions, its head ``W`` (V, D) (and bias), and the
+sampled tokens ``y`` (B, T) give the per-token log-probabilities at temperature ``tau``
+
+    logp[b, t] = log_softmax(x[b, t] W^T / tau + b / tau)[y[b, t]]
+
+which a subclass's :meth:`~LigerFusedLinearPPOBase.ppo_loss_fn` turns into a loss. The chunked
+head engine (:mod:`liger_kernel.ops.chunked_head`) computes ``logp`` a chunk of whole
+completions at a time, differentiates the loss through it and accumulates the gradients of
+``x``, ``W`` and the bias, so the (B, T, V) logits never exist. A reference policy enters as
+given per-token log-probabilities ``ref_per_token_logps`` (B, T) or as a second head
+(``ref_input``, ``ref_weight``, ``ref_bias``) whose log-probabilities of the same tokens the
+engine computes on the same chunks, under no_grad, at the same temperature.
+
+Contract of ``ppo_loss_fn``: it is called on a chunk of G whole completions with
+``per_token_logps`` (G, T) (differentiable), the chunk's ``attention_mask`` (G, T) (1 where a
+token counts), ``advantages`` (G,) or (G, T), the whole batch's ``full_attention_mask`` (B, T)
+for normalisers, the chunk's ``ref_per_token_logps`` / ``old_per_token_logps`` /
+``vllm_is_ratio`` (or None) and the loss's keyword arguments, and returns ``(loss, metrics)``.
+It must be *additive*: the loss of the batch is the sum of its chunks' losses (every
+normaliser comes from ``full_attention_mask`` or from the keyword ``token_normalizer``, the
+batch's token count computed once per call, summed over data-parallel ranks when
+``torch.distributed`` is initialised), and so are the 0-d metrics. When one completion has
+more tokens than a chunk holds, the engine computes ``logp`` for the whole batch first and
+calls ``ppo_loss_fn`` once on all of it; the result is the same.
+
+Off-policy and on-policy: without ``old_per_token_logps`` the old policy is the current one,
+detached (importance ratios are 1 in value and carry the policy gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import check_tensor
+from liger_kernel.ops.chunked_head import (
+    chunked_head_loss_and_grads,
+    save_head_grads,
+    scaled_head_grads,
+    upstream_loss_gradient,
+)
+
+
+def selected_token_logprobs(temperature: float):
+    """``token_fn`` of the engine: (R, 1) log-softmax of ``z / temperature`` at the selected token.
+
+    Positions outside the mask may hold any id (padding); they read token 0 and are masked later.
+    """
+
+    def token_fn(logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scaled = logits / temperature if temperature != 1.0 else logits
+        ids = torch.where(mask.bool(), token_ids, torch.zeros_like(token_ids))
+        return scaled.log_softmax(-1).gather(-1, ids.long().unsqueeze(-1))
+
+    return token_fn
+
+
+def check_temperature(temperature: float) -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0 \
+            or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def batch_token_normalizer(attention_mask: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Tokens per process of the whole generation batch, at least 1 (DAPO/CISPO/VESPO's divisor).
+
+    ``num_items_in_batch`` (the count over every micro-batch and process, as TRL passes it)
+    divided by the world size; without it, this batch's mask summed over ranks, divided by the
+    world size (one all-reduce when ``torch.distributed`` is initialised).
+    """
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if distributed else 1
+    if num_items_in_batch is not None:
+        total = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=attention_mask.device)
+    else:
+        total = attention_mask.float().sum()
+        if distributed:
+            torch.distributed.all_reduce(total)
+    return (total / world).clamp(min=1.0)
+
+
+def _check_side_tensor(t, name, batch_shape, device, allowed_trailing):
+    if t is None:
+        return
+    check_tensor(t, name)
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+    if t.dim() == 0 or t.shape[0] != batch_shape[0] or tuple(t.shape[1:]) not in allowed_trailing:
+        allowed = " or ".join(str((batch_shape[0], *tr)) for tr in allowed_trailing)
+        raise ValueError(f"{name} must have shape {allowed}, got {tuple(t.shape)}")
+
+
+class LigerFusedLinearPPOBase(torch.autograd.Function):
+    """Base of the fused-head policy-gradient losses; see the module docstring.
+
+    A subclass defines ``ppo_loss_fn`` (a staticmethod) and a ``forward(ctx, ...)`` that calls
+    :meth:`forward_chunked` (``LigerFusedLinearPPOBase.forward(cls, ctx, ...)`` is the same),
+    and a ``backward`` that returns :meth:`backward`'s first six entries followed by one None
+    per further forward argument.
+    """
+
+    @staticmethod
+    def ppo_loss_fn(per_token_logps, attention_mask, advantages, full_attention_mask, ref_per_token_logps=None,
+                    old_per_token_logps=None, vllm_is_ratio=None, **loss_kwargs):
+        raise NotImplementedError("a LigerFusedLinearPPOBase subclass must define ppo_loss_fn")
+
+    @staticmethod
+    def forward(cls, ctx, _input, weight, selected_token_ids, attention_mask, advantages, bias=None,
+                ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
+                temperature=1.0, use_ref_model=False, vllm_is_ratio=None, num_items_in_batch=None, **loss_kwargs):
+        """``(loss, metrics)`` of ``cls.ppo_loss_fn`` over the batch; gradients kept for :meth:`backward`.
+
+        Shapes: ``_input`` (B, T, D), ``weight`` (V, D), ``bias`` (V,), ``selected_token_ids`` and
+        ``attention_mask`` (B, T), ``advantages`` (B,) or (B, T), ``ref_per_token_logps`` and
+        ``old_per_token_logps`` (B, T), ``vllm_is_ratio`` (B,), (B, 1) or (B, T), the reference
+        head ``ref_input`` (B, T, D'), ``ref_weight`` (V, D'), ``ref_bias`` (V,).
+        ``use_ref_model``: the reference log-probabilities are ``ref_per_token_logps`` when given,
+        else the reference head's; without ``use_ref_model`` neither is read.
+        """
+        check_temperature(temperature)
+        if _input.dim() != 3:
+            raise ValueError(f"_input must be 3-D (batch, completion_len, hidden), got shape {tuple(_input.shape)}")
+        batch_shape = tuple(_input.shape[:2])
+        for name, t in (("selected_token_ids", selected_token_ids), ("attention_mask", attention_mask)):
+            check_tensor(t, name)
+            if tuple(t.shape) != batch_shape:
+                raise ValueError(f"{name} must have shape {batch_shape}, got {tuple(t.shape)}")
+        if selected_token_ids.dtype.is_floating_point:
+            raise TypeError(f"selected_token_ids must be integer token ids, got {selected_token_ids.dtype}")
+        counted_ids = selected_token_ids[attention_mask.bool()]
+        if counted_ids.numel() and (int(counted_ids.min()) < 0 or int(counted_ids.max()) >= weight.shape[0]):
+            raise ValueError(f"selected_token_ids of counted tokens must lie in [0, {weight.shape[0]})")
+        device = _input.device
+        _check_side_tensor(advantages, "advantages", batch_shape, device, [(), (batch_shape[1],)])
+        _check_side_tensor(ref_per_token_logps, "ref_per_token_logps", batch_shape, device, [(batch_shape[1],)])
+        _check_side_tensor(old_per_token_logps, "old_per_token_logps", batch_shape, device, [(batch_shape[1],)])
+        _check_side_tensor(vllm_is_ratio, "vllm_is_ratio", batch_shape, device, [(), (1,), (batch_shape[1],)])
+        if vllm_is_ratio is not None and vllm_is_ratio.dim() == 1:
+            vllm_is_ratio = vllm_is_ratio.unsqueeze(-1)
+
+        head = (None, None, None)
+        if use_ref_model:
+            if ref_per_token_logps is None:
+                if ref_input is None or ref_weight is None:
+                    raise ValueError("use_ref_model needs ref_per_token_logps or a reference head (ref_input, "
+                                     "ref_weight)")
+                head = (ref_input, ref_weight, ref_bias)
+        else:
+            ref_per_token_logps = None
+
+        full_mask = attention_mask.float()
+        token_normalizer = batch_token_normalizer(attention_mask, num_items_in_batch)
+        names = ("attention_mask", "advantages", "ref_per_token_logps", "old_per_token_logps", "vllm_is_ratio")
+        present = [(n, t) for n, t in zip(names, (full_mask, advantages, ref_per_token_logps, old_per_token_logps,
+                                                  vllm_is_ratio)) if t is not None]
+        present_names = [n for n, _ in present]
+        ppo_loss_fn = cls.ppo_loss_fn
+
+        def group_fn(q, q_ref, *side):
+            chunk = dict(zip(present_names, side))
+            ref = chunk.get("ref_per_token_logps")
+            if ref is None and q_ref is not None:
+                ref = q_ref[..., 0]
+            old = chunk.get("old_per_token_logps")
+            loss, metrics = ppo_loss_fn(
+                per_token_logps=q[..., 0], attention_mask=chunk["attention_mask"], advantages=chunk["advantages"].float(),
+                full_attention_mask=full_mask, ref_per_token_logps=None if ref is None else ref.float(),
+                old_per_token_logps=None if old is None else old.float(),
+                vllm_is_ratio=None if chunk.get("vllm_is_ratio") is None else chunk["vllm_is_ratio"].float(),
+                token_normalizer=token_normalizer, **loss_kwargs)
+            return loss, tuple(metrics)
+
+        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
+                 bias is not None and bool(ctx.needs_input_grad[5]))
+        loss, metrics, grads = chunked_head_loss_and_grads(
+            _input, weight, bias, selected_token_logprobs(temperature), group_fn,
+            token_args=(selected_token_ids, attention_mask), group_args=[t for _, t in present],
+            ref_x=head[0], ref_weight=head[1], ref_bias=head[2], needs=needs)
+        save_head_grads(ctx, grads)
+        return loss, metrics
+
+    forward_chunked = forward
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output, *grad_metrics):
+        """(d_input, d_weight, None, None, None, d_bias) scaled by the loss's upstream gradient, then Nones."""
+        grad_x, grad_w, grad_b = scaled_head_grads(ctx, upstream_loss_gradient((grad_output,)))
+        return (grad_x, grad_w, None, None, None, grad_b) + (None,) * 40
