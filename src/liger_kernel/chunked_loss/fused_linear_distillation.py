@@ -97,12 +97,13 @@ class LigerFusedLinearDistillationBase(torch.autograd.Function):
     def forward(cls, ctx, student_input, student_weight, teacher_input, teacher_weight, target, student_bias=None,
                 teacher_bias=None, chunk_size=1024, ignore_index=-100, weight_hard_loss=0.5, weight_soft_loss=0.5,
                 beta=0.5, compute_ce_loss=True, temperature=1.0, compiled=True, return_soft_hard_loss=False,
-                **loss_kwargs):
+                accum_dtype=None, **loss_kwargs):
         """``loss`` (0-d float32), or ``(loss, soft_loss, hard_loss)`` with ``return_soft_hard_loss``.
 
         Shapes: ``student_input`` (N, D_s) or (B, T, D_s), ``student_weight`` (V, D_s),
         ``teacher_input`` likewise with D_t, ``teacher_weight`` (V', D_t) with V' >= V, ``target``
-        (N,) or (B, T). Gradients (kept for :meth:`backward`) flow to the student's input, weight and bias.
+        (N,) or (B, T). Gradients (kept for :meth:`backward`) flow to the student's input, weight and bias;
+        ``accum_dtype=torch.float32`` accumulates the weight gradient over chunks in float32.
         """
         check_temperature(temperature)
         x_s = _as_groups(student_input, "student_input")
@@ -134,7 +135,8 @@ class LigerFusedLinearDistillationBase(torch.autograd.Function):
                  student_bias is not None and bool(ctx.needs_input_grad[5]))
         loss, (soft, hard), grads = chunked_head_loss_and_grads(
             x_s, student_weight, student_bias, token_fn, group_fn, token_args=(target,), ref_x=x_t,
-            ref_weight=teacher_weight, ref_bias=teacher_bias, needs=needs, ref_logits_to_token_fn=True)
+            ref_weight=teacher_weight, ref_bias=teacher_bias, needs=needs, ref_logits_to_token_fn=True,
+            accum_fp32=accum_dtype == torch.float32)
         if grads.x is not None:
             grads.x = grads.x.view(student_input.shape)
         save_head_grads(ctx, grads)

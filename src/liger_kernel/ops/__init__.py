@@ -10,6 +10,8 @@ _EXPORTS = {
     "LigerCrossEntropyFunction": "cross_entropy",
     "LigerFusedLinearCrossEntropyFunction": "fused_linear_cross_entropy",
     "LigerChunkedHeadFunction": "chunked_head",
+    "LigerFusedLinearLogProbsFunction": "fused_linear_logprobs",
+    "LigerFusedLinearScaledCrossEntropyFunction": "fused_linear_logprobs",
 }
 
 __all__ = list(_EXPORTS)

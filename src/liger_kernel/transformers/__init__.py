@@ -15,6 +15,8 @@ _EXPORTS = {
     "LigerGEGLUMLP": "geglu",
     "LigerCrossEntropyLoss": "cross_entropy",
     "LigerFusedLinearCrossEntropyLoss": "fused_linear_cross_entropy",
+    "LigerFusedLinearJSD": "fused_linear_jsd",
+    "liger_fused_linear_jsd": "fused_linear_jsd",
     # patching (needs transformers)
     "apply_liger_kernel_to_llama": "monkey_patch",
     "apply_liger_kernel_to_mistral": "monkey_patch",
