@@ -117,3 +117,120 @@ def assert_grads_match(leaves, ref_grads, bounds, n_chunks, upstream=1.0, names=
 
 def assert_loss_match(actual, expected, msg="loss"):
     torch.testing.assert_close(actual.double(), expected.double(), atol=2e-5, rtol=2e-5, msg=lambda m: f"{msg}\n{m}")
+
+
+# --------------------------------------------------------------------------------------
+# RL and distillation references (float64, written from TRL's published formulas)
+# --------------------------------------------------------------------------------------
+
+
+def selected_logprobs(logits, ids, temperature):
+    """(B, T) log-softmax of ``logits / temperature`` at ``ids`` (token 0 for an id outside the vocabulary)."""
+    safe = torch.where((ids >= 0) & (ids < logits.shape[-1]), ids, torch.zeros_like(ids))
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_reference(logp, mask, advantages, old=None, ref=None, vllm_is_ratio=None, num_items_in_batch=None,
+                   beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=None,
+                   importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                   delta=None, use_bias_correction_kl=False, vespo=(2.0, 3.0, 3.0, 2.0)):
+    """TRL GRPOTrainer's ``_compute_loss`` on per-token log-probs ``logp`` (B, T): ``(loss, metrics)``,
+    metrics as the fused loss returns them: ``(kl, clip_ratio)`` (kl only when beta != 0)."""
+    import math
+
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    old = logp.detach() if old is None else old.to(logp.dtype)
+    log_ratio = logp - old
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef_1 = torch.exp(log_w)
+    if beta != 0.0:
+        ref = logp.detach() if ref is None else ref.to(logp.dtype)
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    zero = torch.zeros_like(coef_1, dtype=torch.bool)
+    clipped = zero
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * logp
+        clipped = (coef_1 > epsilon_high) & (adv > 0)
+    elif loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        c1 = torch.clamp(coef_1, max=delta) if delta is not None else coef_1
+        per_token_loss = -torch.min(c1 * adv, coef_2 * adv)
+        clipped = ((coef_1 < 1 - epsilon_low) & (adv < 0)) | ((coef_1 > 1 + epsilon_high) & (adv > 0))
+    elif loss_type == "sapo":
+        temps = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token_loss = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv
+    elif loss_type == "vespo":
+        k_pos, lam_pos, k_neg, lam_neg = vespo
+        with torch.no_grad():
+            seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+            if vllm_is_ratio is not None:
+                seq = seq + torch.clamp(torch.log(vllm_is_ratio.to(logp.dtype)), math.log(1e-8), 20.0).sum(
+                    -1, keepdim=True)
+            log_w_seq = torch.clamp(seq, math.log(1e-8), 20.0)
+            k = torch.where(adv >= 0, k_pos, k_neg)
+            lam = torch.where(adv >= 0, lam_pos, lam_neg).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w_seq - lam * torch.exp(log_w_seq)).nan_to_num(0.0, 0.0, 0.0)
+        per_token_loss = -phi * adv * logp
+    else:
+        raise ValueError(loss_type)
+    if vllm_is_ratio is not None and loss_type != "vespo":
+        per_token_loss = per_token_loss * vllm_is_ratio.to(logp.dtype)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    n_seq = logp.shape[0]
+    if loss_type in ["grpo", "sapo"]:
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (n_seq * max_completion_length)
+    elif loss_type in ["cispo", "dapo", "vespo"]:
+        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(float(num_items_in_batch))
+        loss = (per_token_loss * mask).sum() / n.clamp(min=1.0)
+    else:  # luspo
+        loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()
+    tokens = mask.sum().clamp(min=1.0)
+    metrics = []
+    if beta != 0.0:
+        metrics.append((per_token_kl * mask).sum() / tokens)
+    metrics.append((clipped.expand_as(mask) * mask).sum() / tokens)
+    return loss, tuple(m.detach() for m in metrics)
+
+
+def generalized_jsd_reference(student_logits, teacher_logits, beta):
+    """Per-row generalised JSD (float64) in probability space: beta 0 is KL(teacher || student), 1 the reverse."""
+    p = torch.softmax(student_logits, -1)
+    q = torch.softmax(teacher_logits, -1)
+
+    def kl(a, b):
+        return (a * (a.log() - b.log())).sum(-1)
+
+    if beta == 0:
+        return kl(q, p)
+    if beta == 1:
+        return kl(p, q)
+    m = (1 - beta) * p + beta * q
+    return beta * kl(q, m) + (1 - beta) * kl(p, m)
+
+
+def distillation_reference(student_logits, teacher_logits, labels, soft_rows, weight_hard_loss, weight_soft_loss,
+                           temperature, ignore_index=-100):
+    """``(loss, (soft, hard))``: hard CE on unscaled student logits, soft ``soft_rows(s / tau, t / tau)``
+    (student logits zero-padded to the teacher's vocabulary), both summed over counted rows / their count."""
+    counted = labels != ignore_index
+    n_valid = counted.sum().clamp(min=1).to(student_logits.dtype)
+    hard = torch.nn.functional.cross_entropy(student_logits, labels, ignore_index=ignore_index,
+                                             reduction="sum") / n_valid
+    s = student_logits / temperature
+    pad = teacher_logits.shape[-1] - s.shape[-1]
+    if pad:
+        s = torch.cat([s, s.new_zeros(s.shape[0], pad)], dim=-1)
+    soft = (soft_rows(s, teacher_logits / temperature) * counted).sum() / n_valid
+    return weight_hard_loss * hard + weight_soft_loss * soft, (soft.detach(), hard.detach())

@@ -47,13 +47,15 @@ from liger_kernel.ops.chunked_head import (
 def selected_token_logprobs(temperature: float):
     """``token_fn`` of the engine: (R, 1) log-softmax of ``z / temperature`` at the selected token.
 
-    Positions outside the mask may hold any id (padding); they read token 0 and are masked later.
+    Every position reads its own id, as TRL's per-token log-probabilities do (luspo weighs padded
+    positions too); an id outside [0, V) (only allowed where the mask is 0) reads token 0.
     """
 
-    def token_fn(logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def token_fn(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         scaled = logits / temperature if temperature != 1.0 else logits
-        ids = torch.where(mask.bool(), token_ids, torch.zeros_like(token_ids))
-        return scaled.log_softmax(-1).gather(-1, ids.long().unsqueeze(-1))
+        ids = token_ids.long()
+        ids = torch.where((ids >= 0) & (ids < logits.shape[-1]), ids, torch.zeros_like(ids))
+        return scaled.log_softmax(-1).gather(-1, ids.unsqueeze(-1))
 
     return token_fn
 
@@ -177,7 +179,7 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
                  bias is not None and bool(ctx.needs_input_grad[5]))
         loss, metrics, grads = chunked_head_loss_and_grads(
             _input, weight, bias, selected_token_logprobs(temperature), group_fn,
-            token_args=(selected_token_ids, attention_mask), group_args=[t for _, t in present],
+            token_args=(selected_token_ids,), group_args=[t for _, t in present],
             ref_x=head[0], ref_weight=head[1], ref_bias=head[2], needs=needs)
         save_head_grads(ctx, grads)
         return loss, metrics

@@ -73,8 +73,11 @@ def _check(x, weight, bias, target, temperature, ignore_index):
         raise ValueError(f"target must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}")
 
 
-def _row_chunks(n_rows: int, vocab: int, floor_bytes: int):
-    rows = launch_config(ChunkedHeadConfig, n_rows, vocab, floor_bytes).chunk_rows
+def row_chunks(x: torch.Tensor, weight: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges of 2-D ``x``: the same in forward and backward, so both compute the same logits."""
+    n_rows = x.shape[0]
+    floor_bytes = x.numel() * x.element_size() + weight.numel() * weight.element_size()
+    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes).chunk_rows
     if rows < 1:
         raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {rows}")
     return [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
@@ -86,7 +89,7 @@ def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_in
     out = torch.empty((n_rows, 2), device=x.device, dtype=torch.float32)
     valid = target != ignore_index
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
-        for a, b in _row_chunks(n_rows, weight.shape[0], x.numel() * x.element_size()):
+        for a, b in row_chunks(x, weight):
             out[a:b] = logprob_entropy_rows(_logits(x[a:b], weight, bias).float(), target[a:b], valid[a:b],
                                             temperature)
     return out
@@ -96,10 +99,8 @@ def logprobs_and_entropy_backward(x, weight, bias, target, temperature, ignore_i
     """(dx, dW, db) for upstream gradients ``grad_out`` (N, 2) of ``[logp, H]``; recomputes each chunk."""
     grads = _GradAccumulator(x, weight, bias, needs, accum_fp32=False)
     valid = target != ignore_index
-    floor = (x.numel() * x.element_size() if needs[0] else 0) + (weight.numel() * weight.element_size() if needs[1]
-                                                                 else 0)
     with torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
-        for a, b in _row_chunks(x.shape[0], weight.shape[0], floor):
+        for a, b in row_chunks(x, weight):
             with torch.no_grad():
                 logits = _logits(x[a:b], weight, bias)
             with torch.enable_grad():
