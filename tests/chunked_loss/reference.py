@@ -222,15 +222,69 @@ def generalized_jsd_reference(student_logits, teacher_logits, beta):
 
 def distillation_reference(student_logits, teacher_logits, labels, soft_rows, weight_hard_loss, weight_soft_loss,
                            temperature, ignore_index=-100):
-    """``(loss, (soft, hard))``: hard CE on unscaled student logits, soft ``soft_rows(s / tau, t / tau)``
-    (student logits zero-padded to the teacher's vocabulary), both summed over counted rows / their count."""
+    """``(loss, (soft, hard), q)``: hard CE on unscaled student logits, soft ``soft_rows(s / tau, t / tau)``
+    (student logits zero-padded to the teacher's vocabulary), both summed over counted rows / their count;
+    ``q`` (N, 2) the per-row terms the loss sums."""
     counted = labels != ignore_index
     n_valid = counted.sum().clamp(min=1).to(student_logits.dtype)
-    hard = torch.nn.functional.cross_entropy(student_logits, labels, ignore_index=ignore_index,
-                                             reduction="sum") / n_valid
+    hard_rows = torch.nn.functional.cross_entropy(student_logits, torch.where(counted, labels, -100),
+                                                  reduction="none")
     s = student_logits / temperature
     pad = teacher_logits.shape[-1] - s.shape[-1]
     if pad:
         s = torch.cat([s, s.new_zeros(s.shape[0], pad)], dim=-1)
-    soft = (soft_rows(s, teacher_logits / temperature) * counted).sum() / n_valid
-    return weight_hard_loss * hard + weight_soft_loss * soft, (soft.detach(), hard.detach())
+    q = torch.stack([hard_rows * counted, soft_rows(s, teacher_logits / temperature) * counted], dim=-1)
+    hard, soft = q[:, 0].sum() / n_valid, q[:, 1].sum() / n_valid
+    return weight_hard_loss * hard + weight_soft_loss * soft, (soft.detach(), hard.detach()), q
+
+
+def run_distillation_case(loss_call, soft_rows, weight_hard_loss, weight_soft_loss, temperature, dtype, n_rows,
+                          student_hidden, teacher_hidden, vocab, teacher_vocab=None, with_bias=True,
+                          ignore_index=-100, all_ignored=False, leading=None, chunk_rows=None,
+                          returns_parts=False):
+    """Run ``loss_call(xs, ws, xt, wt, labels, bs, bt)`` and check loss, parts and student gradients
+    against :func:`distillation_reference` (one engine group per row, as the distillation base runs)."""
+    from liger_kernel.ops.chunked_head import ChunkedHeadConfig
+    from liger_kernel.ops.config import override_launch_config
+    from tests.utils import DEVICE
+
+    teacher_vocab = teacher_vocab or vocab
+    xs = torch.randn(n_rows, student_hidden, device=DEVICE).to(dtype)
+    ws = (torch.randn(vocab, student_hidden, device=DEVICE) * 3 / student_hidden**0.5).to(dtype)
+    bs = torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None
+    xt = torch.randn(n_rows, teacher_hidden, device=DEVICE).to(dtype)
+    wt = (torch.randn(teacher_vocab, teacher_hidden, device=DEVICE) * 3 / teacher_hidden**0.5).to(dtype)
+    bt = torch.randn(teacher_vocab, device=DEVICE).to(dtype) if with_bias else None
+    labels = torch.randint(0, vocab, (n_rows,), device=DEVICE)
+    labels[torch.rand(n_rows, device=DEVICE) < 0.3] = ignore_index
+    labels[0] = 1 % vocab
+    if all_ignored:
+        labels[:] = ignore_index
+    shape = (n_rows,) if leading is None else leading
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (xs, ws, bs)]
+    override = {} if chunk_rows is None else {"chunk_rows": chunk_rows}
+    x_groups = xs.view(n_rows, 1, -1)
+    with override_launch_config(ChunkedHeadConfig, **override):
+        plan = engine_plan(x_groups, ws, False, True)
+        out = loss_call(leaves[0].view(*shape, -1), leaves[1], xt.view(*shape, -1), wt, labels.view(shape),
+                        leaves[2], bt)
+    loss = out[0] if returns_parts else out
+    upstream = float(torch.rand(()) + 0.5)
+    (loss * upstream).backward()
+    teacher = engine_logits(xt.view(n_rows, 1, -1), wt, bt, plan).double()
+
+    def loss_of_logits(logits, ref_z):
+        value, parts, q = distillation_reference(logits.view(n_rows, -1), ref_z.view(n_rows, -1), labels, soft_rows,
+                                                 weight_hard_loss, weight_soft_loss, temperature, ignore_index)
+        return value, parts, q.view(n_rows, 1, 2)
+
+    loss_ref, parts_ref, grads_ref, bounds = reference_grads(loss_of_logits, x_groups, ws, bs, plan, teacher)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_loss_match(loss, loss_ref)
+    if returns_parts:
+        for got, want in zip(out[1:], parts_ref):
+            assert not got.requires_grad
+            assert_loss_match(got, want, "soft/hard loss")
+    grads_ref[0], bounds[0] = grads_ref[0].view(xs.shape), bounds[0].reshape(xs.shape)
+    assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges), upstream)
+    return loss, leaves
