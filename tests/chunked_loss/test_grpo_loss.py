@@ -10,7 +10,7 @@ temperature != 1, and chunks that cut the batch (or a completion: the two-pass p
 import pytest
 import torch
 
-from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss, LigerFusedLinearPPOBase
 from liger_kernel.chunked_loss.functional import liger_fused_linear_grpo
 from liger_kernel.chunked_loss.grpo_loss import LOSS_TYPES
 from liger_kernel.ops.chunked_head import ChunkedHeadConfig
@@ -223,3 +223,41 @@ def test_bad_arguments_raise():
         LigerFusedLinearGRPOLoss(beta=0.0)(x, weight, bad, mask, adv)
     with pytest.raises(ValueError, match="temperature"):
         LigerFusedLinearGRPOLoss(beta=0.0, temperature=0.0)(x, weight, ids, mask, adv)
+
+
+class _ReinforceFunction(LigerFusedLinearPPOBase):
+    """A minimal subclass of the PPO base: REINFORCE, -mean_b sum_t A_b m logp, with one metric."""
+
+    @staticmethod
+    def ppo_loss_fn(per_token_logps, attention_mask, advantages, full_attention_mask, ref_per_token_logps=None,
+                    old_per_token_logps=None, vllm_is_ratio=None, token_normalizer=None, scale=1.0):
+        loss = -(advantages[:, None] * per_token_logps * attention_mask).sum() * scale / full_attention_mask.shape[0]
+        return loss, ((per_token_logps * attention_mask).sum() / token_normalizer,)
+
+    @classmethod
+    def forward(cls, ctx, _input, weight, selected_token_ids, attention_mask, advantages, bias=None, scale=1.0):
+        return LigerFusedLinearPPOBase.forward(cls, ctx, _input, weight, selected_token_ids, attention_mask,
+                                               advantages, bias, temperature=1.3, scale=scale)
+
+    @staticmethod
+    def backward(ctx, grad_output, *grad_metrics):
+        return LigerFusedLinearPPOBase.backward(ctx, grad_output)[:6] + (None,)
+
+
+def test_subclass_of_the_ppo_base():
+    x, weight, bias, ids, mask, adv, _, _, _ = make_inputs(5, 4, 16, 23, torch.float32, True, 1.3)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    with override_launch_config(ChunkedHeadConfig, chunk_rows=8):
+        loss, (mean_logp,) = _ReinforceFunction.apply(leaves[0], leaves[1], ids, mask, adv, leaves[2], 0.7)
+        plan = engine_plan(x, weight, False, True)
+    loss.backward()
+
+    def loss_of_logits(logits, _):
+        logp = selected_logprobs(logits, ids, 1.3)
+        value = -(adv.double()[:, None] * logp * mask).sum() * 0.7 / x.shape[0]
+        return value, ((logp * mask).sum() / mask.sum(),), logp.unsqueeze(-1)
+
+    loss_ref, (logp_ref,), grads_ref, bounds = reference_grads(loss_of_logits, x, weight, bias, plan)
+    assert_loss_match(loss, loss_ref)
+    assert_loss_match(mean_logp, logp_ref.detach(), "metric")
+    assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges))

@@ -8,7 +8,7 @@ vocabulary and another hidden size, (B, T, D) inputs, chunks that cut the rows, 
 import pytest
 import torch
 
-from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+from liger_kernel.chunked_loss import LigerFusedLinearDistillationBase, LigerFusedLinearJSDLoss
 from liger_kernel.chunked_loss.functional import liger_fused_linear_jsd
 from tests.chunked_loss.reference import generalized_jsd_reference, run_distillation_case
 
@@ -77,3 +77,39 @@ def test_bad_arguments_raise():
         loss_fn(torch.randn(4, 8), torch.randn(9, 8), torch.randn(4, 8), torch.randn(9, 8), torch.zeros(3).long())
     with pytest.raises(ValueError, match="labels"):
         loss_fn(torch.randn(4, 8), torch.randn(9, 8), torch.randn(4, 8), torch.randn(9, 8), torch.full((4,), 9))
+
+
+class _ForwardKLFunction(LigerFusedLinearDistillationBase):
+    """A subclass written the way downstream trainers extend the base: a loss hook returning the chunk's
+    sum, ``super().forward(cls=cls, ctx=ctx, ...)`` with keywords, and the base's backward sliced."""
+
+    @staticmethod
+    def distillation_loss_fn(student_logits, teacher_logits, target=None, ignore_index=-100, **kwargs):
+        kl = torch.nn.functional.kl_div(student_logits.log_softmax(-1), teacher_logits.softmax(-1),
+                                        reduction="none").sum(-1)
+        if target is not None:
+            kl = kl.masked_fill(target == ignore_index, 0.0)
+        return kl.sum()
+
+    @classmethod
+    def forward(cls, ctx, student_input, student_weight, teacher_input, teacher_weight, target, student_bias=None,
+                teacher_bias=None, temperature=4.0, compiled=True, chunk_size=1024):
+        return super().forward(cls=cls, ctx=ctx, student_input=student_input, student_weight=student_weight,
+                               teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
+                               student_bias=student_bias, teacher_bias=teacher_bias, chunk_size=chunk_size,
+                               ignore_index=-100, weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5,
+                               compute_ce_loss=False, temperature=temperature, compiled=compiled)
+
+    @staticmethod
+    def backward(ctx, grad_output, *args):
+        grads = LigerFusedLinearDistillationBase.backward(ctx, grad_output, *args)[:6]
+        return (*grads, None, None, None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subclass_of_the_base(dtype):
+    def call(xs, ws, xt, wt, labels, bs, bt):
+        return _ForwardKLFunction.apply(xs, ws, xt, wt, labels, bs, bt, 2.0)
+
+    run_distillation_case(call, lambda s, t: generalized_jsd_reference(s, t, 0.0), 0.0, 1.0, 2.0, dtype, 10, 16, 16,
+                          29, chunk_rows=4)
