@@ -35,10 +35,7 @@ class LigerFusedLinearCosineSimilarityFunction(LabelledDistillationFunction):
 
     @staticmethod
     def distillation_loss_fn(student_logits, teacher_logits, target=None, ignore_index=-100, beta=1.0):
-        loss = cosine_distance_rows(student_logits, teacher_logits, beta)
-        if target is not None:
-            loss = loss * (target != ignore_index)
-        return loss
+        return cosine_distance_rows(student_logits, teacher_logits, beta)  # the base zeroes ignored rows
 
 
 class LigerFusedLinearCosineSimilarityLoss(LabelledDistillationLoss):

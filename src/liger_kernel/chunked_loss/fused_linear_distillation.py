@@ -22,7 +22,8 @@ Subclass contract (as axolotl and others use it): a staticmethod
 ``distillation_loss_fn(student_logits, teacher_logits, target=None, ignore_index=-100, **kwargs)``
 gets float32 (R, V') / (R, V') temperature-scaled logits of a chunk of rows, the chunk's labels
 (R,) and the keyword arguments (``beta`` and the forward's ``loss_kwargs``), and returns either the
-per-row losses (R,) or their sum (0-d); rows must not interact. A ``forward(cls, ctx, ...)`` calls
+per-row losses (R,) (the base zeroes the ignored rows) or the sum over the counted rows (0-d, the
+hook masks); rows must not interact. A ``forward(cls, ctx, ...)`` calls
 ``super().forward(cls=cls, ctx=ctx, student_input=..., ...)`` (the keywords of :meth:`forward`),
 and ``backward(ctx, grad_output, *args)`` returns ``LigerFusedLinearDistillationBase.backward(ctx,
 grad_output, *args)[:6]`` followed by one None per further forward argument.
@@ -78,7 +79,9 @@ def distillation_token_fn(loss_fn, temperature, ignore_index, student_vocab, tea
         soft = loss_fn(s, z_t / temperature, target=target, ignore_index=ignore_index, **loss_kwargs)
         if soft.dim() == 0:
             soft = soft.expand(rows) / max(rows, 1)
-        elif soft.shape != (rows,):
+        elif soft.shape == (rows,):
+            soft = soft * counted
+        else:
             raise ValueError(f"distillation_loss_fn must return a 0-d sum or ({rows},) per-row losses, "
                              f"got {tuple(soft.shape)}")
         return torch.stack([hard, soft.float()], dim=-1)

@@ -58,10 +58,7 @@ class LigerFusedLinearJSDFunction(LabelledDistillationFunction):
 
     @staticmethod
     def distillation_loss_fn(student_logits, teacher_logits, target=None, ignore_index=-100, beta=0.5):
-        jsd = generalized_jsd_rows(student_logits, teacher_logits, beta)
-        if target is not None:
-            jsd = jsd * (target != ignore_index)
-        return jsd
+        return generalized_jsd_rows(student_logits, teacher_logits, beta)  # the base zeroes ignored rows
 
 
 class LigerFusedLinearJSDLoss(LabelledDistillationLoss):
