@@ -261,3 +261,22 @@ def test_subclass_of_the_ppo_base():
     assert_loss_match(loss, loss_ref)
     assert_loss_match(mean_logp, logp_ref.detach(), "metric")
     assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges))
+
+
+def test_bf16_hidden_states_with_float32_head():
+    """TRL's cast_lm_head_to_fp32: bf16 hidden states, float32 head. The loss is the float32 one of the
+    upcast hidden states, and each gradient comes back in its tensor's dtype."""
+    x, weight, bias, ids, mask, adv, old, ref, head = make_inputs(4, 5, 16, 31, torch.float32, True, 1.0, True)
+    x16 = x.bfloat16()
+    loss_fn = LigerFusedLinearGRPOLoss(loss_type="bnpo", importance_sampling_level="sequence")
+    mixed = [x16.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+    upcast = [x16.float().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+    ref_head = (head[0].bfloat16(), head[1], head[2])
+    results = [loss_fn(*leaves[:2], ids, mask, adv, leaves[2], None, old, *ref_head) for leaves in (mixed, upcast)]
+    for loss, _ in results:
+        loss.backward()
+    torch.testing.assert_close(results[0][0], results[1][0])
+    assert mixed[0].grad.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed[0].grad, upcast[0].grad.bfloat16())
+    torch.testing.assert_close(mixed[1].grad, upcast[1].grad)
+    torch.testing.assert_close(mixed[2].grad, upcast[2].grad)

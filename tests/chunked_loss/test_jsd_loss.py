@@ -8,8 +8,11 @@ vocabulary and another hidden size, (B, T, D) inputs, chunks that cut the rows, 
 import pytest
 import torch
 
-from liger_kernel.chunked_loss import LigerFusedLinearDistillationBase, LigerFusedLinearJSDLoss
+from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 from liger_kernel.chunked_loss.functional import liger_fused_linear_jsd
+from liger_kernel.chunked_loss.fused_linear_distillation import (
+    LigerFusedLinearDistillationBase,  # as axolotl imports it
+)
 from tests.chunked_loss.reference import generalized_jsd_reference, run_distillation_case
 
 
@@ -113,3 +116,20 @@ def test_subclass_of_the_base(dtype):
 
     run_distillation_case(call, lambda s, t: generalized_jsd_reference(s, t, 0.0), 0.0, 1.0, 2.0, dtype, 10, 16, 16,
                           29, chunk_rows=4)
+
+
+def test_bf16_hidden_states_with_float32_heads():
+    """Hidden states in bf16, heads kept in float32: computed as with the hidden states upcast."""
+    xs, xt = torch.randn(7, 8).bfloat16(), torch.randn(7, 12).bfloat16()
+    ws, wt = torch.randn(17, 8), torch.randn(17, 12)
+    labels = torch.tensor([3, -100, 4, 5, -100, 16, 0])
+    loss_fn = LigerFusedLinearJSDLoss(beta=0.3, temperature=1.2)
+    mixed = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+    upcast = [xs.float().requires_grad_(), ws.clone().requires_grad_()]
+    losses = [loss_fn(a, w, t, wt, labels) for (a, w), t in ((mixed, xt), (upcast, xt.float()))]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1])
+    assert mixed[0].grad.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed[0].grad, upcast[0].grad.bfloat16())
+    torch.testing.assert_close(mixed[1].grad, upcast[1].grad)

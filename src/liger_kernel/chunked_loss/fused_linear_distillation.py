@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from liger_kernel.chunked_loss.fused_linear_ppo import check_temperature
+from liger_kernel.chunked_loss.fused_linear_ppo import grads_in_dtypes, one_dtype_head
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
@@ -45,6 +45,7 @@ from liger_kernel.ops.chunked_head import (
     scaled_head_grads,
     upstream_loss_gradient,
 )
+from liger_kernel.ops.fused_linear_logprobs import check_temperature
 
 
 def _as_groups(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -105,7 +106,8 @@ class LigerFusedLinearDistillationBase(torch.autograd.Function):
 
         Shapes: ``student_input`` (N, D_s) or (B, T, D_s), ``student_weight`` (V, D_s),
         ``teacher_input`` likewise with D_t, ``teacher_weight`` (V', D_t) with V' >= V, ``target``
-        (N,) or (B, T). Gradients (kept for :meth:`backward`) flow to the student's input, weight and bias;
+        (N,) or (B, T). Hidden states and a head of different dtypes compute in the wider one.
+        Gradients (kept for :meth:`backward`) flow to the student's input, weight and bias;
         ``accum_dtype=torch.float32`` accumulates the weight gradient over chunks in float32.
         """
         check_temperature(temperature)
@@ -136,10 +138,12 @@ class LigerFusedLinearDistillationBase(torch.autograd.Function):
 
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                  student_bias is not None and bool(ctx.needs_input_grad[5]))
+        teacher = one_dtype_head(x_t, teacher_weight, teacher_bias)
         loss, (soft, hard), grads = chunked_head_loss_and_grads(
-            x_s, student_weight, student_bias, token_fn, group_fn, token_args=(target,), ref_x=x_t,
-            ref_weight=teacher_weight, ref_bias=teacher_bias, needs=needs, ref_logits_to_token_fn=True,
+            *one_dtype_head(x_s, student_weight, student_bias), token_fn, group_fn, token_args=(target,),
+            ref_x=teacher[0], ref_weight=teacher[1], ref_bias=teacher[2], needs=needs, ref_logits_to_token_fn=True,
             accum_fp32=accum_dtype == torch.float32)
+        grads = grads_in_dtypes(grads, x_s, student_weight, student_bias)
         if grads.x is not None:
             grads.x = grads.x.view(student_input.shape)
         save_head_grads(ctx, grads)

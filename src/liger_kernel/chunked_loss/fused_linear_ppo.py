@@ -32,6 +32,8 @@ detached (importance ratios are 1 in value and carry the policy gradient).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from liger_kernel.ops.autograd import once_differentiable
@@ -42,6 +44,7 @@ from liger_kernel.ops.chunked_head import (
     scaled_head_grads,
     upstream_loss_gradient,
 )
+from liger_kernel.ops.fused_linear_logprobs import check_temperature
 
 
 def selected_token_logprobs(temperature: float):
@@ -60,12 +63,6 @@ def selected_token_logprobs(temperature: float):
     return token_fn
 
 
-def check_temperature(temperature: float) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0 \
-            or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-
-
 def batch_token_normalizer(attention_mask: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
     """Tokens per process of the whole generation batch, at least 1 (DAPO/CISPO/VESPO's divisor).
 
@@ -82,6 +79,33 @@ def batch_token_normalizer(attention_mask: torch.Tensor, num_items_in_batch=None
         if distributed:
             torch.distributed.all_reduce(total)
     return (total / world).clamp(min=1.0)
+
+
+def takes_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def one_dtype_head(x, weight, bias):
+    """``(x, weight, bias)`` in their promoted dtype where they differ (e.g. bf16 hidden states with a
+    head kept in float32, as TRL's ``cast_lm_head_to_fp32`` does): the logits are then computed in
+    the wider dtype, at the cost of a cast copy of the narrower tensors."""
+    if x is None or weight is None:
+        return x, weight, bias
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    if bias is not None:
+        dtype = torch.promote_types(dtype, bias.dtype)
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def grads_in_dtypes(grads, x, weight, bias):
+    """The engine's gradients cast back to the dtypes of the tensors they belong to."""
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        g = getattr(grads, name)
+        if g is not None and g.dtype != t.dtype:
+            setattr(grads, name, g.to(t.dtype))
+    return grads
 
 
 def _check_side_tensor(t, name, batch_shape, device, allowed_trailing):
@@ -112,7 +136,8 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
     @staticmethod
     def forward(cls, ctx, _input, weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
-                temperature=1.0, use_ref_model=False, vllm_is_ratio=None, num_items_in_batch=None, **loss_kwargs):
+                temperature=1.0, use_ref_model=False, vllm_is_ratio=None, num_items_in_batch=None, compiled=True,
+                chunk_size=1, **loss_kwargs):
         """``(loss, metrics)`` of ``cls.ppo_loss_fn`` over the batch; gradients kept for :meth:`backward`.
 
         Shapes: ``_input`` (B, T, D), ``weight`` (V, D), ``bias`` (V,), ``selected_token_ids`` and
@@ -120,7 +145,10 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
         ``old_per_token_logps`` (B, T), ``vllm_is_ratio`` (B,), (B, 1) or (B, T), the reference
         head ``ref_input`` (B, T, D'), ``ref_weight`` (V, D'), ``ref_bias`` (V,).
         ``use_ref_model``: the reference log-probabilities are ``ref_per_token_logps`` when given,
-        else the reference head's; without ``use_ref_model`` neither is read.
+        else the reference head's; without ``use_ref_model`` neither is read. ``compiled`` and
+        ``chunk_size`` are accepted and ignored (the engine sizes the chunks). ``token_normalizer``
+        reaches ``ppo_loss_fn`` only if it takes that keyword (or ``**kwargs``). Hidden states and
+        head of different dtypes compute in the wider one (:func:`one_dtype_head`).
         """
         check_temperature(temperature)
         if _input.dim() != 3:
@@ -149,17 +177,18 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
                 if ref_input is None or ref_weight is None:
                     raise ValueError("use_ref_model needs ref_per_token_logps or a reference head (ref_input, "
                                      "ref_weight)")
-                head = (ref_input, ref_weight, ref_bias)
+                head = one_dtype_head(ref_input, ref_weight, ref_bias)
         else:
             ref_per_token_logps = None
 
         full_mask = attention_mask.float()
-        token_normalizer = batch_token_normalizer(attention_mask, num_items_in_batch)
         names = ("attention_mask", "advantages", "ref_per_token_logps", "old_per_token_logps", "vllm_is_ratio")
         present = [(n, t) for n, t in zip(names, (full_mask, advantages, ref_per_token_logps, old_per_token_logps,
                                                   vllm_is_ratio)) if t is not None]
         present_names = [n for n, _ in present]
         ppo_loss_fn = cls.ppo_loss_fn
+        if takes_keyword(ppo_loss_fn, "token_normalizer"):
+            loss_kwargs["token_normalizer"] = batch_token_normalizer(attention_mask, num_items_in_batch)
 
         def group_fn(q, q_ref, *side):
             chunk = dict(zip(present_names, side))
@@ -172,16 +201,16 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
                 full_attention_mask=full_mask, ref_per_token_logps=None if ref is None else ref.float(),
                 old_per_token_logps=None if old is None else old.float(),
                 vllm_is_ratio=None if chunk.get("vllm_is_ratio") is None else chunk["vllm_is_ratio"].float(),
-                token_normalizer=token_normalizer, **loss_kwargs)
+                **loss_kwargs)
             return loss, tuple(metrics)
 
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                  bias is not None and bool(ctx.needs_input_grad[5]))
         loss, metrics, grads = chunked_head_loss_and_grads(
-            _input, weight, bias, selected_token_logprobs(temperature), group_fn,
-            token_args=(selected_token_ids,), group_args=[t for _, t in present],
-            ref_x=head[0], ref_weight=head[1], ref_bias=head[2], needs=needs)
-        save_head_grads(ctx, grads)
+            *one_dtype_head(_input, weight, bias), selected_token_logprobs(temperature), group_fn,
+            token_args=(selected_token_ids,), group_args=[t for _, t in present], ref_x=head[0],
+            ref_weight=head[1], ref_bias=head[2], needs=needs)
+        save_head_grads(ctx, grads_in_dtypes(grads, _input, weight, bias))
         return loss, metrics
 
     forward_chunked = forward

@@ -57,10 +57,15 @@ def logprob_entropy_rows(logits: torch.Tensor, target: torch.Tensor, valid: torc
     return torch.stack([picked * valid, entropy * valid], dim=-1)
 
 
-def _check(x, weight, bias, target, temperature, ignore_index):
+def check_temperature(temperature: float) -> None:
+    """A softmax temperature must be a finite number > 0."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check(x, weight, bias, target, temperature, ignore_index):
+    check_temperature(temperature)
     check_tensor(target, "target")
     if target.dtype.is_floating_point:
         raise TypeError(f"target must hold integer token ids, got {target.dtype}")
