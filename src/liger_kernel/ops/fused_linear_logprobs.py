@@ -13,11 +13,12 @@ Both outputs are float32 and differentiable in ``x``, ``W`` and ``b``: with upst
     dL/ds = g (onehot(y) - p) - h p (log p + H),    dL/dz = dL/ds / tau
 
 and ``dx = (dL/dz) W``, ``dW = (dL/dz)^T x``, ``db = sum_rows dL/dz``. The forward pass keeps
-only x, W, b and y; the backward recomputes each chunk's logits (one more GEMM per chunk) and
-differentiates through the same float32 code by autograd. Chunks follow the chunked head
-engine's budget (:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`); logits are one GEMM
-in the input dtype with float32 accumulation, everything after is float32, and the logit
-gradient is rounded to the input dtype for the gradient GEMMs.
+only x, W, b and y; the backward hands the scalar ``sum_n g_n logp_n + h_n H_n`` to the chunked
+head engine, which recomputes each chunk's logits (one more GEMM per chunk) and differentiates
+through the same float32 code by autograd. Chunks follow the engine's budget
+(:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`); logits are one GEMM in the input
+dtype with float32 accumulation, everything after is float32, and the logit gradient is
+rounded to the input dtype for the gradient GEMMs.
 
 This is what an RL trainer computing its own policy loss needs (the log-probabilities of the
 sampled tokens and the entropy bonus). :class:`LigerFusedLinearScaledCrossEntropyFunction` is the
@@ -38,10 +39,9 @@ from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     ChunkedHeadConfig,
     HeadGrads,
-    _chunk_logit_grad,
-    _GradAccumulator,
     _logits,
     check_head_args,
+    chunked_head_loss_and_grads,
 )
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.fused_linear_cross_entropy import gemm_reduction_precision
@@ -101,24 +101,25 @@ def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_in
 
 
 def logprobs_and_entropy_backward(x, weight, bias, target, temperature, ignore_index, grad_out, needs) -> HeadGrads:
-    """(dx, dW, db) for upstream gradients ``grad_out`` (N, 2) of ``[logp, H]``; recomputes each chunk."""
-    grads = _GradAccumulator(x, weight, bias, needs, accum_fp32=False)
-    valid = target != ignore_index
-    with torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
-        for a, b in row_chunks(x, weight):
-            with torch.no_grad():
-                logits = _logits(x[a:b], weight, bias)
-            with torch.enable_grad():
-                logits32 = logits.float().requires_grad_(True)
-                q = logprob_entropy_rows(logits32, target[a:b], valid[a:b], temperature)
-                grad_logits = _chunk_logit_grad(q, logits32, grad_out[a:b].float())
-            del logits, logits32, q
+    """(dx, dW, db) for upstream gradients ``grad_out`` (N, 2) of ``[logp, H]``.
 
-            def write(dx_rows, a=a, b=b):
-                grads.grad_x[a:b] = dx_rows
+    They are the gradients of the scalar ``sum_n grad_out[n] . [logp_n, H_n]``, which the chunked
+    head engine computes with every row a group of its own (one pass, each chunk's logits
+    recomputed and differentiated through :func:`logprob_entropy_rows`).
+    """
 
-            grads.add(grad_logits, x[a:b], write)
-    return grads.result(bias)
+    def token_fn(logits, rows_target):
+        rows_target = rows_target.reshape(-1)
+        return logprob_entropy_rows(logits, rows_target, rows_target != ignore_index, temperature)
+
+    def group_fn(q, q_ref, upstream):
+        return (q[:, 0, :] * upstream).sum(), ()
+
+    _, _, grads = chunked_head_loss_and_grads(x.unsqueeze(1), weight, bias, token_fn, group_fn,
+                                              token_args=(target.unsqueeze(1),), group_args=(grad_out,), needs=needs)
+    if grads.x is not None:
+        grads.x = grads.x.view(x.shape)
+    return grads
 
 
 class LigerFusedLinearLogProbsFunction(torch.autograd.Function):
