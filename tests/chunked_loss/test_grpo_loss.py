@@ -12,7 +12,7 @@ import torch
 
 from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss, LigerFusedLinearPPOBase
 from liger_kernel.chunked_loss.functional import liger_fused_linear_grpo
-from liger_kernel.chunked_loss.grpo_loss import LOSS_TYPES
+from liger_kernel.chunked_loss.grpo_loss import LOSS_TYPES, LigerFusedLinearGRPOFunction
 from liger_kernel.ops.chunked_head import ChunkedHeadConfig
 from liger_kernel.ops.config import override_launch_config
 from tests.chunked_loss.reference import (
@@ -75,8 +75,9 @@ def run_case(dtype=torch.float32, shape=(4, 6, 16, 37), with_bias=True, temperat
     loss_fn = LigerFusedLinearGRPOLoss(temperature=temperature, use_ref_model=ref_mode != "none", **options)
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
     override = {} if chunk_rows is None else {"chunk_rows": chunk_rows}
+    flat = LigerFusedLinearGRPOFunction.token_local(**options)
     with override_launch_config(ChunkedHeadConfig, **override):
-        plan = engine_plan(x, weight, False, True)
+        plan = engine_plan(as_groups(x, flat), weight, False, True)
         loss, metrics = loss_fn(
             leaves[0], leaves[1], ids, mask, adv, leaves[2], ref_per_token_logps=ref if ref_mode == "given" else None,
             old_per_token_logps=old, ref_input=head[0] if head else None, ref_weight=head[1] if head else None,
@@ -84,7 +85,9 @@ def run_case(dtype=torch.float32, shape=(4, 6, 16, 37), with_bias=True, temperat
     upstream = float(torch.rand(()) + 0.5)
     (loss * upstream).backward()
 
-    ref_logits = engine_logits(*head, plan).double() if head else None
+    ref_logits = None
+    if head:  # the engine's rounding of the reference logits, on its own chunks
+        ref_logits = engine_logits(as_groups(head[0], flat), *head[1:], plan).double().view(batch, seq_len, -1)
 
     def loss_of_logits(logits, ref_z):
         logp = selected_logprobs(logits, ids, temperature)
@@ -95,7 +98,13 @@ def run_case(dtype=torch.float32, shape=(4, 6, 16, 37), with_bias=True, temperat
         value, aux = grpo_reference(logp, mask, adv, old, ref_logp, vllm_ref, num_items, **reference_options(options))
         return value, aux, logp.unsqueeze(-1)
 
-    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits)
+    def loss_of_engine_logits(logits, ref_z):
+        value, aux, q = loss_of_logits(logits.view(batch, seq_len, -1), ref_z)
+        return value, aux, q.view(*logits.shape[:2], 1)
+
+    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(loss_of_engine_logits, as_groups(x, flat), weight,
+                                                               bias, plan, ref_logits)
+    grads_ref[0], bounds[0] = grads_ref[0].view(x.shape), bounds[0].reshape(x.shape)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert_loss_match(loss, loss_ref)
     assert len(metrics) == len(metrics_ref) == (2 if options["beta"] != 0 else 1)
@@ -104,6 +113,11 @@ def run_case(dtype=torch.float32, shape=(4, 6, 16, 37), with_bias=True, temperat
         torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
     assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges), upstream)
     return loss, plan
+
+
+def as_groups(x, token_local):
+    """Hidden states as the engine's groups: a token each for token-local losses, else a completion each."""
+    return x.reshape(-1, 1, x.shape[-1]) if token_local else x
 
 
 def reference_options(options):
@@ -154,12 +168,15 @@ def test_options_match_trl(case):
 
 
 @pytest.mark.parametrize("loss_type, level, chunk_rows", [("grpo", "sequence", 4), ("luspo", "token", 7),
-                                                          ("dapo", "token", 1)])
+                                                          ("dapo", "token", 1), ("vespo", "token", 5),
+                                                          ("grpo", "token", 4), ("sapo", "sequence", 13)])
 def test_chunks_cut_the_batch(loss_type, level, chunk_rows):
-    """Chunk of a few rows: several completions per chunk, or two passes when one does not fit."""
+    """Chunks of a few rows: any rows for token-local losses; else whole completions, or two passes when one
+    does not fit."""
     _, plan = run_case(shape=(5, 6, 16, 29), loss_type=loss_type, importance_sampling_level=level,
                        chunk_rows=chunk_rows)
-    assert len(plan.row_ranges) > 1 and plan.one_pass == (chunk_rows >= 6)
+    token_local = level == "token" and loss_type != "vespo"
+    assert len(plan.row_ranges) > 1 and plan.one_pass == (token_local or chunk_rows >= 6)
 
 
 def test_sequence_level_differs_from_token_level():

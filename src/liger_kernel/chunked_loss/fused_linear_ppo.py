@@ -20,11 +20,20 @@ token counts), ``advantages`` (G,) or (G, T), the whole batch's ``full_attention
 for normalisers, the chunk's ``ref_per_token_logps`` / ``old_per_token_logps`` /
 ``vllm_is_ratio`` (or None) and the loss's keyword arguments, and returns ``(loss, metrics)``.
 It must be *additive*: the loss of the batch is the sum of its chunks' losses (every
-normaliser comes from ``full_attention_mask`` or from the keyword ``token_normalizer``, the
+normaliser comes from ``full_attention_mask`` or from the keywords ``token_normalizer``, the
 batch's token count computed once per call, summed over data-parallel ranks when
-``torch.distributed`` is initialised), and so are the 0-d metrics. When one completion has
-more tokens than a chunk holds, the engine computes ``logp`` for the whole batch first and
-calls ``ppo_loss_fn`` once on all of it; the result is the same.
+``torch.distributed`` is initialised, and ``sequence_lengths``, the counted tokens of each
+token's completion, shaped as ``attention_mask``), and so are the 0-d metrics. When one
+completion has more tokens than a chunk holds, the engine computes ``logp`` for the whole batch
+first and calls ``ppo_loss_fn`` once on all of it; the result is the same, at the cost of a
+second logits GEMM.
+
+Token-local losses avoid that: when :meth:`~LigerFusedLinearPPOBase.token_local` says the loss
+is a sum of per-token terms (each reading only its own token's values and batch-wide
+normalisers, as GRPO with token-level ratios does), every token is a group of its own: chunks
+hold any rows, always in one pass, and ``ppo_loss_fn`` sees (R, 1) tensors for R tokens
+(``advantages`` and ``vllm_is_ratio`` broadcast to every token), ``full_attention_mask`` still
+(B, T).
 
 Off-policy and on-policy: without ``old_per_token_logps`` the old policy is the current one,
 detached (importance ratios are 1 in value and carry the policy gradient).
@@ -134,6 +143,11 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
         raise NotImplementedError("a LigerFusedLinearPPOBase subclass must define ppo_loss_fn")
 
     @staticmethod
+    def token_local(**loss_kwargs) -> bool:
+        """Whether ``ppo_loss_fn`` with these options is a sum of per-token terms (module docstring)."""
+        return False
+
+    @staticmethod
     def forward(cls, ctx, _input, weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
                 temperature=1.0, use_ref_model=False, vllm_is_ratio=None, num_items_in_batch=None, compiled=True,
@@ -182,11 +196,22 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
             ref_per_token_logps = None
 
         full_mask = attention_mask.float()
-        names = ("attention_mask", "advantages", "ref_per_token_logps", "old_per_token_logps", "vllm_is_ratio")
-        present = [(n, t) for n, t in zip(names, (full_mask, advantages, ref_per_token_logps, old_per_token_logps,
-                                                  vllm_is_ratio)) if t is not None]
-        present_names = [n for n, _ in present]
+        names = ("attention_mask", "advantages", "ref_per_token_logps", "old_per_token_logps", "vllm_is_ratio",
+                 "sequence_lengths")
         ppo_loss_fn = cls.ppo_loss_fn
+        lengths = full_mask.sum(-1, keepdim=True).expand(batch_shape) if takes_keyword(
+            ppo_loss_fn, "sequence_lengths") else None
+        side = (full_mask, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, lengths)
+        x, token_ids = _input, selected_token_ids
+        if cls.token_local(**loss_kwargs):
+            # Every token its own group: side tensors per token, (B*T, 1).
+            side = tuple(None if t is None else t.reshape(*t.shape[:1], -1).expand(batch_shape).reshape(-1, 1)
+                         for t in side)
+            x, token_ids = _input.reshape(-1, 1, _input.shape[-1]), selected_token_ids.reshape(-1, 1)
+            if head[0] is not None:
+                head = (head[0].reshape(-1, 1, head[0].shape[-1]), *head[1:])
+        present = [(n, t) for n, t in zip(names, side) if t is not None]
+        present_names = [n for n, _ in present]
         if takes_keyword(ppo_loss_fn, "token_normalizer"):
             loss_kwargs["token_normalizer"] = batch_token_normalizer(attention_mask, num_items_in_batch)
 
@@ -201,15 +226,18 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
                 full_attention_mask=full_mask, ref_per_token_logps=None if ref is None else ref.float(),
                 old_per_token_logps=None if old is None else old.float(),
                 vllm_is_ratio=None if chunk.get("vllm_is_ratio") is None else chunk["vllm_is_ratio"].float(),
+                **({"sequence_lengths": chunk["sequence_lengths"]} if "sequence_lengths" in chunk else {}),
                 **loss_kwargs)
             return loss, tuple(metrics)
 
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                  bias is not None and bool(ctx.needs_input_grad[5]))
         loss, metrics, grads = chunked_head_loss_and_grads(
-            *one_dtype_head(_input, weight, bias), selected_token_logprobs(temperature), group_fn,
-            token_args=(selected_token_ids,), group_args=[t for _, t in present], ref_x=head[0],
+            *one_dtype_head(x, weight, bias), selected_token_logprobs(temperature), group_fn,
+            token_args=(token_ids,), group_args=[t for _, t in present], ref_x=head[0],
             ref_weight=head[1], ref_bias=head[2], needs=needs)
+        if grads.x is not None:
+            grads.x = grads.x.view(_input.shape)
         save_head_grads(ctx, grads_in_dtypes(grads, _input, weight, bias))
         return loss, metrics
 

@@ -136,8 +136,15 @@ class LigerFusedLinearGRPOFunction(LigerFusedLinearPPOBase):
     """
 
     @staticmethod
+    def token_local(importance_sampling_level="token", loss_type="dapo", **options) -> bool:
+        """Token-level ratios make every loss type but vespo (whose weight reads the whole completion)
+        a sum of per-token terms."""
+        return importance_sampling_level == "token" and loss_type != "vespo"
+
+    @staticmethod
     def ppo_loss_fn(per_token_logps, attention_mask, advantages, full_attention_mask, ref_per_token_logps=None,
-                    old_per_token_logps=None, vllm_is_ratio=None, token_normalizer=None, beta=0.04,
+                    old_per_token_logps=None, vllm_is_ratio=None, token_normalizer=None, sequence_lengths=None,
+                    beta=0.04,
                     epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=None,
                     importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
                     delta=None, use_bias_correction_kl=False, vespo_params=(2.0, 3.0, 3.0, 2.0)):
@@ -149,16 +156,19 @@ class LigerFusedLinearGRPOFunction(LigerFusedLinearPPOBase):
             sapo_temperature_neg, delta, use_bias_correction_kl, vespo_params)
         n_seqs = full_attention_mask.shape[0]
         n_tokens = full_attention_mask.sum().clamp(min=1.0)
+        lengths = mask.sum(-1, keepdim=True) if sequence_lengths is None else sequence_lengths
         if loss_type in ("grpo", "sapo"):
-            loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n_seqs
+            loss = (per_token_loss * mask / lengths.clamp(min=1.0)).sum() / n_seqs
         elif loss_type == "bnpo":
             loss = (per_token_loss * mask).sum() / n_tokens
         elif loss_type == "dr_grpo":
             loss = (per_token_loss * mask).sum() / (n_seqs * max_completion_length)
         elif loss_type in ("dapo", "cispo", "vespo"):
             loss = (per_token_loss * mask).sum() / token_normalizer
-        else:  # luspo
-            loss = (per_token_loss * mask.sum(-1, keepdim=True)).sum() / (n_seqs * per_token_loss.shape[-1])
+        else:  # luspo: TRL's mean over every entry of the per-token loss, padding included
+            per_token = per_token_loss.shape == mask.shape
+            width = full_attention_mask.shape[1] if per_token else 1
+            loss = (per_token_loss * (lengths if per_token else lengths[..., :1])).sum() / (n_seqs * width)
         metrics = []
         if kl is not None:
             metrics.append((kl * mask).sum() / n_tokens)
