@@ -1,4 +1,4 @@
-"""Post-training losses on a fused head: GRPO (RL) and generalised-JSD distillation.
+"""RL and distillation losses on a fused head: GRPO and generalised-JSD distillation.
 
 GRPO: hidden states x (B, T, D) of B completions, lm_head W (V, D), sampled tokens (B, T), a
 loss mask, advantages (B,), old and reference per-token log-probabilities (B, T). Reference:
@@ -68,7 +68,7 @@ def grpo_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device)
     adv = torch.randn(b, device=device)
     # Log-probabilities near those of a 0.02-initialised head (about -log V), scattered per token.
     base = -torch.log(torch.tensor(float(v)))
-    old = base + 0.1 * torch.randn(b, t, device=device)
+    old = base + 0.3 * torch.randn(b, t, device=device)  # ratios spread past both clip bounds
     ref = base + 0.1 * torch.randn(b, t, device=device)
     return Inputs(args=(x, weight, ids, mask, adv, old, ref), grad_args=(0, 1))
 
