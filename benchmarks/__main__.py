@@ -108,7 +108,13 @@ def apply_overrides(overrides: list[str]) -> list[str]:
 
 
 def load_specs(ops: tuple[str, ...]):
-    from benchmarks import bench_cross_entropy, bench_gated_mlp, bench_norms, bench_rl_distillation, bench_rope
+    from benchmarks import (
+        bench_cross_entropy,
+        bench_gated_mlp,
+        bench_norms,
+        bench_rl_distillation,
+        bench_rope,
+    )
 
     modules = (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy, bench_rl_distillation)
     specs = {s.name: s for m in modules for s in m.SPECS}
