@@ -297,3 +297,16 @@ def test_bf16_hidden_states_with_float32_head():
     torch.testing.assert_close(mixed[0].grad, upcast[0].grad.bfloat16())
     torch.testing.assert_close(mixed[1].grad, upcast[1].grad)
     torch.testing.assert_close(mixed[2].grad, upcast[2].grad)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_empty_batch(level):
+    x = torch.zeros(0, 4, 8, device=DEVICE, requires_grad=True)
+    weight = torch.randn(11, 8, device=DEVICE, requires_grad=True)
+    loss, (kl, clip_ratio) = LigerFusedLinearGRPOLoss(beta=0.1, use_ref_model=False, loss_type="grpo",
+                                                      importance_sampling_level=level)(
+        x, weight, torch.zeros(0, 4, dtype=torch.long, device=DEVICE), torch.zeros(0, 4, device=DEVICE),
+        torch.zeros(0, device=DEVICE))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and float(kl) == 0.0 and float(clip_ratio) == 0.0
+    assert x.grad.shape == x.shape and float(weight.grad.abs().sum()) == 0.0

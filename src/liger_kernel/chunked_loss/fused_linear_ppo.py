@@ -205,8 +205,8 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
         x, token_ids = _input, selected_token_ids
         if cls.token_local(**loss_kwargs):
             # Every token its own group: side tensors per token, (B*T, 1).
-            side = tuple(None if t is None else t.reshape(*t.shape[:1], -1).expand(batch_shape).reshape(-1, 1)
-                         for t in side)
+            side = tuple(None if t is None else (t.unsqueeze(-1) if t.dim() == 1 else t).expand(batch_shape).reshape(
+                -1, 1) for t in side)
             x, token_ids = _input.reshape(-1, 1, _input.shape[-1]), selected_token_ids.reshape(-1, 1)
             if head[0] is not None:
                 head = (head[0].reshape(-1, 1, head[0].shape[-1]), *head[1:])

@@ -154,7 +154,7 @@ class LigerFusedLinearGRPOFunction(LigerFusedLinearPPOBase):
             per_token_logps, mask, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, beta,
             epsilon_low, epsilon_high, loss_type, importance_sampling_level, sapo_temperature_pos,
             sapo_temperature_neg, delta, use_bias_correction_kl, vespo_params)
-        n_seqs = full_attention_mask.shape[0]
+        n_seqs = max(1, full_attention_mask.shape[0])  # an empty batch has loss 0, not 0/0
         n_tokens = full_attention_mask.sum().clamp(min=1.0)
         lengths = mask.sum(-1, keepdim=True) if sequence_lengths is None else sequence_lengths
         if loss_type in ("grpo", "sapo"):
