@@ -43,6 +43,10 @@ Deviations from TRL / the best-known library, on purpose:
   some); vespo computes its own sequence weight and ignores the level, as in TRL.
 * ``beta != 0`` without a reference (``use_ref_model=False``) uses the current policy, detached,
   as the reference: the KL term and its gradient are then 0.
+* An empty batch (B = 0) has loss 0 (TRL's mean over no completions is NaN).
+* Token-level ratios (every loss type but vespo) make the loss a sum of per-token terms, so
+  the engine chunks tokens freely in one pass (:meth:`LigerFusedLinearGRPOFunction.token_local`);
+  sequence-level ratios and vespo chunk whole completions (two passes when one exceeds a chunk).
 """
 
 from __future__ import annotations
