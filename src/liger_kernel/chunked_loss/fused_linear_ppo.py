@@ -53,23 +53,7 @@ from liger_kernel.ops.chunked_head import (
     scaled_head_grads,
     upstream_loss_gradient,
 )
-from liger_kernel.ops.fused_linear_logprobs import check_temperature
-
-
-def selected_token_logprobs(temperature: float):
-    """``token_fn`` of the engine: (R, 1) log-softmax of ``z / temperature`` at the selected token.
-
-    Every position reads its own id, as TRL's per-token log-probabilities do (luspo weighs padded
-    positions too); an id outside [0, V) (only allowed where the mask is 0) reads token 0.
-    """
-
-    def token_fn(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        scaled = logits / temperature if temperature != 1.0 else logits
-        ids = token_ids.long()
-        ids = torch.where((ids >= 0) & (ids < logits.shape[-1]), ids, torch.zeros_like(ids))
-        return scaled.log_softmax(-1).gather(-1, ids.unsqueeze(-1))
-
-    return token_fn
+from liger_kernel.ops.fused_linear_logprobs import LogProbEntropyRows, check_temperature
 
 
 def batch_token_normalizer(attention_mask: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -232,8 +216,9 @@ class LigerFusedLinearPPOBase(torch.autograd.Function):
 
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                  bias is not None and bool(ctx.needs_input_grad[5]))
+        # Every position reads its own token's log-prob, as TRL's do (luspo weighs padded positions too).
         loss, metrics, grads = chunked_head_loss_and_grads(
-            *one_dtype_head(x, weight, bias), selected_token_logprobs(temperature), group_fn,
+            *one_dtype_head(x, weight, bias), LogProbEntropyRows(temperature, with_entropy=False), group_fn,
             token_args=(token_ids,), group_args=[t for _, t in present], ref_x=head[0],
             ref_weight=head[1], ref_bias=head[2], needs=needs)
         if grads.x is not None:

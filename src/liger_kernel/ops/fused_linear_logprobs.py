@@ -47,14 +47,53 @@ from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.fused_linear_cross_entropy import gemm_reduction_precision
 
 
-def logprob_entropy_rows(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
-                         temperature: float) -> torch.Tensor:
-    """(R, 2) float32: ``[logp, H]`` of float32 logit rows (R, V), 0 where not ``valid``."""
-    scaled = logits / temperature if temperature != 1.0 else logits
-    logp_all = scaled.log_softmax(-1)
-    picked = logp_all.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return torch.stack([picked * valid, entropy * valid], dim=-1)
+class LogProbEntropyRows:
+    """``token_fn`` of the chunked head engine: per float32 logit row ``z`` (R, V) and target ``y`` (R,)
+    (any shape with R entries), ``[logp]`` or ``[logp, H]`` (R, K) float32 at ``s = z / temperature``.
+
+    Rows whose target equals ``ignore_index`` (when one is given) are 0; any other target outside
+    [0, V) reads token 0. Differentiable by autograd; :meth:`backward_in_place` is the same
+    vector-Jacobian product in closed form, written over the logits (no autograd buffers)::
+
+        dL/dz = (c_logp (onehot(y) - p) - c_H p (log p + H)) / temperature
+    """
+
+    def __init__(self, temperature: float = 1.0, ignore_index: int | None = None, with_entropy: bool = True):
+        self.temperature, self.ignore_index, self.with_entropy = temperature, ignore_index, with_entropy
+
+    def _ids(self, target: torch.Tensor, vocab: int):
+        target = target.reshape(-1).long()
+        valid = target != self.ignore_index if self.ignore_index is not None else None
+        ids = torch.where((target >= 0) & (target < vocab), target, torch.zeros_like(target))
+        return ids.unsqueeze(-1), valid
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ids, valid = self._ids(target, logits.shape[-1])
+        scaled = logits / self.temperature if self.temperature != 1.0 else logits
+        logp_all = scaled.log_softmax(-1)
+        columns = [logp_all.gather(-1, ids).squeeze(-1)]
+        if self.with_entropy:
+            columns.append(-(logp_all.exp() * logp_all).sum(-1))
+        q = torch.stack(columns, dim=-1)
+        return q * valid.unsqueeze(-1) if valid is not None else q
+
+    def backward_in_place(self, logits: torch.Tensor, grad_q: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``dL/dz`` for ``grad_q = dL/dq`` (R, K), computed in ``logits``' storage (which it returns)."""
+        ids, valid = self._ids(target, logits.shape[-1])
+        grad_q = grad_q.to(logits.dtype) if valid is None else grad_q.to(logits.dtype) * valid.unsqueeze(-1)
+        c_logp = grad_q[:, :1]
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
+        logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+        if self.with_entropy:
+            p = logp.exp()
+            entropy = -torch.bmm(p.unsqueeze(1), logp.unsqueeze(-1)).view(-1, 1)
+            grad = logp.add_(entropy).mul_(-grad_q[:, 1:2]).sub_(c_logp).mul_(p)
+            del p
+        else:
+            grad = logp.exp_().mul_(-c_logp)
+        grad.scatter_add_(-1, ids, c_logp)
+        return grad.div_(self.temperature) if self.temperature != 1.0 else grad
 
 
 def check_temperature(temperature: float) -> None:
@@ -92,11 +131,10 @@ def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_in
     """(N, 2) float32 ``[logp, H]`` of 2-D ``x`` (N, D), chunk by chunk, no graph."""
     n_rows = x.shape[0]
     out = torch.empty((n_rows, 2), device=x.device, dtype=torch.float32)
-    valid = target != ignore_index
+    rows = LogProbEntropyRows(temperature, ignore_index)
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
         for a, b in row_chunks(x, weight):
-            out[a:b] = logprob_entropy_rows(_logits(x[a:b], weight, bias).float(), target[a:b], valid[a:b],
-                                            temperature)
+            out[a:b] = rows(_logits(x[a:b], weight, bias).float(), target[a:b])
     return out
 
 
@@ -105,17 +143,14 @@ def logprobs_and_entropy_backward(x, weight, bias, target, temperature, ignore_i
 
     They are the gradients of the scalar ``sum_n grad_out[n] . [logp_n, H_n]``, which the chunked
     head engine computes with every row a group of its own (one pass, each chunk's logits
-    recomputed and differentiated through :func:`logprob_entropy_rows`).
+    recomputed and differentiated through :class:`LogProbEntropyRows`).
     """
-
-    def token_fn(logits, rows_target):
-        rows_target = rows_target.reshape(-1)
-        return logprob_entropy_rows(logits, rows_target, rows_target != ignore_index, temperature)
 
     def group_fn(q, q_ref, upstream):
         return (q[:, 0, :] * upstream).sum(), ()
 
-    _, _, grads = chunked_head_loss_and_grads(x.unsqueeze(1), weight, bias, token_fn, group_fn,
+    _, _, grads = chunked_head_loss_and_grads(x.unsqueeze(1), weight, bias, LogProbEntropyRows(temperature, ignore_index),
+                                              group_fn,
                                               token_args=(target.unsqueeze(1),), group_args=(grad_out,), needs=needs)
     if grads.x is not None:
         grads.x = grads.x.view(x.shape)
