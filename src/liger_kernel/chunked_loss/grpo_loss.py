@@ -26,19 +26,19 @@ and the loss, with B the batch size and T its padded completion length::
     dr_grpo:           sum m l / (B * max_completion_length)
     dapo, cispo, vespo: sum m l / N,  N = num_items_in_batch / world_size if given, else the batch's
                        token count summed over ranks / world_size (at least 1)
-    luspo:             sum_{b,t} l[b, t] (sum_t m[b]) / (B * T')   (T' = 1 when l has one entry a row)
+    luspo:             sum_{b,t} l[b, t] (sum_t m[b]) / (B * T')   (every entry, padding included, as
+                       TRL's mean; T' = 1 when l has one entry a row)
 
 Metrics, as TRL's GRPOTrainer reads them (``metrics[0]`` the KL when ``beta != 0``,
 ``metrics[-1]`` the clip ratio): ``(mean_kl, clip_ratio)`` or ``(clip_ratio,)``, both means over
 the batch's counted tokens: ``kl`` as it enters the loss (times ``r`` with
-``use_bias_correction_kl``), and the fraction of tokens whose ratio is clipped in the direction of their advantage
-(``r < 1 - eps_low`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``; for cispo ``r > eps_high``
-with ``A > 0``; always 0 for sapo and vespo).
+``use_bias_correction_kl``), and the fraction of tokens whose ratio is clipped in the direction
+of their advantage (``r < 1 - eps_low`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``;
+for cispo ``r > eps_high`` with ``A > 0``; always 0 for sapo and vespo).
 
 Deviations from TRL / the best-known library, on purpose:
-* ``compiled`` and ``chunk_size`` are accepted and ignored: chunks are whole completions sized
-  by the engine's memory budget (:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`);
-  nothing is compiled.
+* ``compiled`` and ``chunk_size`` are accepted and ignored: chunks are sized by the engine's
+  memory budget (:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`); nothing is compiled.
 * ``importance_sampling_level="sequence"`` is accepted for every loss type (TRL warns for
   some); vespo computes its own sequence weight and ignores the level, as in TRL.
 * ``beta != 0`` without a reference (``use_ref_model=False``) uses the current policy, detached,
