@@ -128,8 +128,10 @@ class LigerFusedLinearDistillationBase(torch.autograd.Function):
                 raise ValueError(f"target labels must lie in [0, {student_vocab}) or equal ignore_index")
         n_valid = counted.sum().clamp(min=1).float()
         loss_kwargs = dict(loss_kwargs, beta=beta)
+        # The cross-entropy costs a second log-softmax of every chunk: skipped when nothing reads it.
+        ce_needed = compute_ce_loss and (weight_hard_loss != 0 or return_soft_hard_loss)
         token_fn = distillation_token_fn(cls.distillation_loss_fn, temperature, ignore_index, student_vocab,
-                                         teacher_vocab, compute_ce_loss, loss_kwargs)
+                                         teacher_vocab, ce_needed, loss_kwargs)
 
         def group_fn(q, q_ref):
             hard = q[..., 0].sum() / n_valid
