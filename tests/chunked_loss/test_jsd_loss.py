@@ -133,3 +133,8 @@ def test_bf16_hidden_states_with_float32_heads():
     assert mixed[0].grad.dtype == torch.bfloat16
     torch.testing.assert_close(mixed[0].grad, upcast[0].grad.bfloat16())
     torch.testing.assert_close(mixed[1].grad, upcast[1].grad)
+
+
+def test_hard_loss_reported_at_weight_zero():
+    """TRL's weights (hard 0, soft 1): the cross-entropy is still reported when asked for."""
+    jsd_case(0.2, 0.0, 1.0, temperature=1.4, returns_parts=True)
