@@ -15,6 +15,9 @@ _EXPORTS = {
     "LigerSelectiveLogSoftmaxFunction": "grpo_loss",
     "GrpoLossFunction": "grpo_loss",
     "fused_selective_log_softmax": "grpo_loss",
+    "LigerChunkedHeadFunction": "chunked_head",
+    "LigerFusedLinearLogProbsFunction": "fused_linear_logprobs",
+    "LigerFusedLinearScaledCrossEntropyFunction": "fused_linear_logprobs",
 }
 
 __all__ = list(_EXPORTS)

@@ -22,6 +22,8 @@ _EXPORTS = {
     "LigerTVDLoss": "tvd",
     "liger_tvd": "tvd",
     "triton_grpo_loss": "grpo_loss",
+    "LigerFusedLinearJSD": "fused_linear_jsd",
+    "liger_fused_linear_jsd": "fused_linear_jsd",
     # patching (needs transformers); apply_liger_kernel_to_<model_type> for every model type
     # transformers lists is resolved by __getattr__ below
     "revert_liger_kernel": "monkey_patch",

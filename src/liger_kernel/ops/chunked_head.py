@@ -1,0 +1,495 @@
+"""Losses of a linear head's output, computed chunk by chunk without materialising the logits.
+
+The engine behind :mod:`liger_kernel.chunked_loss`: preference (DPO, ORPO, SimPO, CPO, KTO),
+RL and distillation losses all read a (tokens x vocabulary) head the same way, so they share
+this one loop, which keeps at most one chunk of logits alive, as the fused linear cross entropy
+(:mod:`liger_kernel.ops.fused_linear_cross_entropy`) does for supervised training.
+
+Contract
+--------
+Inputs: hidden states ``x`` (B, T, D) of B groups (sequences) of T positions, a head
+``W`` (V, D) and optional bias ``b`` (V,); logits ``Z = x W^T + b`` (B, T, V). A loss is
+given as two functions:
+
+* ``token_fn(z, *token_args) -> q``: per-row quantities ``q`` (R, K) float32 of logit rows
+  ``z`` (R, V) float32 (e.g. the log-probability of the target, an entropy, a row sum), with
+  ``token_args`` tensors (B, T, ...) sliced to the same R rows (flattened to (R, ...)).
+  Differentiable in ``z``; rows must not interact (row r of ``q`` depends on row r of ``z``).
+* ``group_fn(q, q_ref, *group_args) -> (loss, metrics)``: ``q`` (G, T, K) of G whole groups,
+  ``q_ref`` the same quantities of the second head or None, ``group_args`` tensors (B, ...)
+  sliced to the same groups. ``loss`` is a 0-d float32 tensor, differentiable in ``q``;
+  ``metrics`` a tuple of tensors (detached on return).
+
+The loss is ``L = group_fn(token_fn(Z))`` over the whole batch. By the chain rule, with
+``G = dL/dZ`` (B*T, V) (obtained exactly, by autograd through the two functions, chunk by
+chunk)::
+
+    dL/dx = G W          (B*T, D)
+    dL/dW = G^T x        (V, D)
+    dL/db = sum_rows G   (V,)
+
+``group_fn`` is *additive* when it is a sum over groups: calling it on any split of the batch
+into whole groups and adding the losses gives the loss of the whole batch (normalisers such as
+"divide by the number of pairs" or "by the batch's token count" are computed from the whole
+batch beforehand and closed over), 0-d metrics add up the same way, and every metric with a
+leading dimension has one entry per group (per pair when ``paired``) in group order. Such a
+loss runs in **one pass**: each chunk of whole groups computes its logits (in the input dtype,
+fp32 accumulation), upcasts them to float32, evaluates ``token_fn`` and ``group_fn`` and
+differentiates to get its ``G``, then ``dx`` rows are written (``G W``), ``dW += G^T x`` and
+``db += sum G`` are accumulated. When one group's rows exceed the chunk (long sequences), or
+the loss is not additive (e.g. it sorts over the batch), the engine runs **two passes** over
+row chunks that need not respect groups: the first computes ``q`` (and ``q_ref``) under
+no_grad; ``group_fn`` then runs once on the whole batch (B, T, K) and autograd gives
+``dL/dq``; the second pass recomputes each chunk's logits and pulls ``dL/dq`` back through
+``token_fn`` (a vector-Jacobian product per chunk). It costs one more logits GEMM and is
+exact for every loss of this form.
+
+``paired=True`` is for preference pairs: the first B/2 groups are the chosen sequences and the
+second B/2 the rejected ones, group i pairing with group i + B/2. A chunk then holds whole
+pairs, and ``group_fn`` sees (2c, T, K) with its c chosen groups first, the same layout as the
+whole batch, so its code does not depend on the chunking.
+
+An optional second head (a reference model or a teacher: ``ref_x`` (B, T, D), ``ref_weight``
+(V', D'), ``ref_bias``) is evaluated on the same chunk rows under no_grad and its
+``token_fn`` quantities are handed to ``group_fn`` as ``q_ref``. Losses that compare the two
+distributions row by row (distillation: JSD, KL) set ``ref_logits_to_token_fn``: ``token_fn``
+is then called as ``token_fn(z, z_ref, *token_args)`` with the second head's float32 logits
+rows ``z_ref`` (R, V') (no gradient flows to them) and ``q_ref`` is None.
+
+Chunk size: the float32 logits of a chunk stay within the fused linear cross entropy's budget
+(:func:`~liger_kernel.ops.fused_linear_cross_entropy.chunk_rows_for` at 4 bytes an element:
+the larger of its fixed budget and its fraction of the dW + dX bytes), as
+:class:`ChunkedHeadConfig`. Autograd inside a chunk keeps a few tensors of that size (the
+upcast logits, a log-softmax, the gradient). Gradients are computed in the forward pass for a
+unit upstream gradient; backward only scales them (:mod:`liger_kernel.ops.scaling`).
+
+Precision: logits are one GEMM in the input dtype with float32 accumulation (as an HF model's
+``lm_head``), everything after is float32; ``G`` is rounded to the input dtype for the two
+gradient GEMMs, and dW accumulates over chunks in the weight dtype unless ``accum_fp32``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_tensor
+from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.fused_linear_cross_entropy import (
+    _accumulate_grad_weight,
+    chunk_rows_for,
+    gemm_reduction_precision,
+)
+from liger_kernel.ops.launch import is_interpreter
+from liger_kernel.ops.scaling import scale_gradient
+
+TokenFn = Callable[..., torch.Tensor]
+GroupFn = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
+
+FLOAT32_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedHeadConfig(LaunchConfig):
+    """Rows of logits per chunk (a chunk in one-pass mode holds as many whole groups as fit)."""
+
+    chunk_rows: int
+
+    @classmethod
+    def heuristic(cls, n_rows: int, n_cols: int, floor_bytes: int) -> ChunkedHeadConfig:
+        return cls(chunk_rows=chunk_rows_for(max(1, n_rows), n_cols, FLOAT32_BYTES, floor_bytes))
+
+
+@dataclasses.dataclass
+class HeadGrads:
+    """Gradients for a unit upstream gradient; None where not asked for."""
+
+    x: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+# --------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------
+
+
+def check_head_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_name: str = "_input",
+                    weight_name: str = "weight", bias_name: str = "bias") -> None:
+    """``x`` (B, T, D), ``weight`` (V, D), ``bias`` (V,) or None, one floating dtype, one device."""
+    check_float_dtype(x, x_name)
+    check_float_dtype(weight, weight_name, SUPPORTED_FLOAT_DTYPES)
+    if x.dim() != 3:
+        raise ValueError(f"{x_name} must be 3-D (batch, seq_len, hidden), got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[2]:
+        raise ValueError(f"{weight_name} must be 2-D (vocab, hidden={x.shape[2]}), got shape {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"{weight_name} must have at least one row")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{x_name} ({x.dtype}) and {weight_name} ({weight.dtype}) must have the same dtype")
+    if weight.device != x.device:
+        raise ValueError(f"{weight_name} is on {weight.device} but {x_name} is on {x.device}")
+    if bias is not None:
+        check_tensor(bias, bias_name)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{bias_name} must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype or bias.device != x.device:
+            raise TypeError(f"{bias_name} must match {x_name}'s dtype and device ({x.dtype}, {x.device})")
+
+
+def _check_side(tensors: Sequence[torch.Tensor], leading: tuple[int, ...], device: torch.device, what: str) -> None:
+    for i, t in enumerate(tensors):
+        check_tensor(t, f"{what}[{i}]")
+        if tuple(t.shape[: len(leading)]) != leading:
+            raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)}; it must start with {leading}")
+        if t.device != device:
+            raise ValueError(f"{what}[{i}] is on {t.device}, the inputs on {device}")
+
+
+# --------------------------------------------------------------------------------------
+# The chunk loop
+# --------------------------------------------------------------------------------------
+
+
+def _logits(x_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` in the input dtype (one GEMM, fp32 accumulation)."""
+    if bias is None:
+        return torch.matmul(x_rows, weight.t())
+    return torch.addmm(bias, x_rows, weight.t())
+
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+def _gather(t: torch.Tensor, ranges: Ranges) -> torch.Tensor:
+    """The slices ``t[a:b]`` for ``(a, b)`` in ``ranges``, concatenated (a view for one range)."""
+    if len(ranges) == 1:
+        return t[ranges[0][0]: ranges[0][1]]
+    return torch.cat([t[a:b] for a, b in ranges])
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(G, T, ...) -> (G*T, ...)."""
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    """How the engine splits a batch: ``one_pass`` and, per chunk, its row ranges (of the
+    flattened (B*T) rows, concatenated in order) and, in one-pass mode, its group ranges."""
+
+    one_pass: bool
+    row_ranges: tuple[Ranges, ...]
+    group_ranges: tuple[Ranges, ...]
+
+
+def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_rows: int) -> ChunkPlan:
+    """The chunks of a (B=n_groups, T=seq_len) batch for ``chunk_rows`` rows of logits per chunk.
+
+    One pass when the loss is additive and a unit (a group, or a pair of groups) fits: each
+    chunk holds as many whole units as fit. Otherwise two passes over plain row ranges.
+    """
+    n_rows = n_groups * seq_len
+    unit_rows = seq_len * (2 if paired else 1)
+    if n_rows == 0:
+        return ChunkPlan(True, (), ())
+    if additive and unit_rows <= chunk_rows:
+        half = n_groups // 2
+        n_units = half if paired else n_groups
+        step = max(1, chunk_rows // unit_rows)
+        groups = []
+        for start in range(0, n_units, step):
+            stop = min(start + step, n_units)
+            groups.append(((start, stop), (half + start, half + stop)) if paired else ((start, stop),))
+        rows = tuple(tuple((a * seq_len, b * seq_len) for a, b in g) for g in groups)
+        return ChunkPlan(True, rows, tuple(groups))
+    rows = tuple(((a, min(a + chunk_rows, n_rows)),) for a in range(0, n_rows, chunk_rows))
+    return ChunkPlan(False, rows, ())
+
+
+def _chunk_logit_grad(loss: torch.Tensor, logits: torch.Tensor, outputs_grad: torch.Tensor | None = None):
+    """``d loss / d logits`` (zeros where the loss does not depend on them)."""
+    if not loss.requires_grad:
+        return torch.zeros_like(logits)
+    (grad,) = torch.autograd.grad(loss, logits, grad_outputs=outputs_grad, allow_unused=True)
+    return torch.zeros_like(logits) if grad is None else grad
+
+
+class _GradAccumulator:
+    """dX rows written, dW and db accumulated, from each chunk's float32 logit gradient."""
+
+    def __init__(self, x, weight, bias, needs, accum_fp32):
+        need_x, need_w, need_b = needs
+        self.x_dtype = x.dtype
+        self.weight = weight
+        self.grad_x = torch.empty_like(x) if need_x else None
+        self.grad_w = None
+        if need_w:
+            accum_dtype = torch.float32 if accum_fp32 else weight.dtype
+            self.grad_w = torch.zeros(weight.shape, device=weight.device, dtype=accum_dtype)
+        self.grad_b = torch.zeros(weight.shape[0], device=x.device, dtype=torch.float32) \
+            if (need_b and bias is not None) else None
+
+    def add(self, grad_logits: torch.Tensor, x_rows: torch.Tensor, write_x: Callable[[torch.Tensor], None]):
+        g = grad_logits.to(self.x_dtype)
+        if self.grad_x is not None:
+            write_x(torch.matmul(g, self.weight))
+        if self.grad_w is not None:
+            _accumulate_grad_weight(self.grad_w, g, x_rows, first=False)
+        if self.grad_b is not None:
+            self.grad_b.add_(grad_logits.sum(0))
+
+    def result(self, bias) -> HeadGrads:
+        grad_w = self.grad_w
+        if grad_w is not None and grad_w.dtype != self.weight.dtype:
+            grad_w = grad_w.to(self.weight.dtype)
+        grad_b = self.grad_b.to(bias.dtype) if self.grad_b is not None else None
+        return HeadGrads(self.grad_x, grad_w, grad_b)
+
+
+def _merge_metrics(per_chunk: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """0-d metrics add up over chunks; others are concatenated along their first dimension."""
+    if not per_chunk:
+        return ()
+    merged = []
+    for values in zip(*per_chunk):
+        if values[0].dim() == 0:
+            merged.append(torch.stack(values).sum(0))
+        else:
+            merged.append(torch.cat(values))
+    return tuple(merged)
+
+
+def chunked_head_loss_and_grads(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_fn: TokenFn,
+    group_fn: GroupFn,
+    token_args: Sequence[torch.Tensor] = (),
+    group_args: Sequence[torch.Tensor] = (),
+    ref_x: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    paired: bool = False,
+    additive: bool = True,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    accum_fp32: bool = False,
+    ref_logits_to_token_fn: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], HeadGrads]:
+    """The loss, its metrics and (dx, dW, db) for a unit upstream gradient (see the module docstring).
+
+    ``needs`` says which of (dx, dW, db) to compute. Arguments are checked.
+    """
+    check_head_args(x, weight, bias)
+    n_groups, seq_len, _ = x.shape
+    if paired and n_groups % 2:
+        raise ValueError(f"paired losses need an even batch (chosen then rejected), got batch {n_groups}")
+    _check_side(token_args, (n_groups, seq_len), x.device, "token_args")
+    _check_side(group_args, (n_groups,), x.device, "group_args")
+    if (ref_weight is None) != (ref_x is None):
+        raise ValueError("the second head needs both ref_input and ref_weight")
+    if ref_weight is not None:
+        check_head_args(ref_x, ref_weight, ref_bias, "ref_input", "ref_weight", "ref_bias")
+        if ref_x.shape[:2] != x.shape[:2]:
+            raise ValueError(f"ref_input has shape {tuple(ref_x.shape)}; it must start with {(n_groups, seq_len)}")
+        ref_x = ref_x.contiguous()
+    x = x.contiguous()
+    n_rows, n_cols = n_groups * seq_len, weight.shape[0]
+    floor_bytes = (x.numel() * x.element_size() if needs[0] else 0) + \
+        (weight.numel() * weight.element_size() if needs[1] else 0)
+    chunk_rows = launch_config(ChunkedHeadConfig, n_rows, n_cols, floor_bytes).chunk_rows
+    if chunk_rows < 1:
+        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {chunk_rows}")
+    grads = _GradAccumulator(x, weight, bias, needs, accum_fp32)
+    plan = chunk_plan(n_groups, seq_len, paired, additive, chunk_rows)
+    rows = _Rows(x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn)
+    with torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
+        if n_rows == 0:
+            empty = torch.zeros((0, n_cols), device=x.device)
+            q = token_fn(empty, *rows.token_fn_ref_args(()), *rows.token_args)
+            q = q.reshape(n_groups, seq_len, q.shape[-1])
+            q_ref = q.clone() if ref_weight is not None and not ref_logits_to_token_fn else None
+            loss, metrics = group_fn(q, q_ref, *group_args)
+        elif plan.one_pass:
+            loss, metrics = _one_pass(rows, plan, token_fn, group_fn, group_args, seq_len, grads)
+        else:
+            loss, metrics = _two_passes(rows, plan, token_fn, group_fn, group_args, (n_groups, seq_len), grads)
+    return loss.detach().float(), tuple(m.detach() for m in metrics), grads.result(bias)
+
+
+class _Rows:
+    """The batch as (B*T)-row matrices, and per chunk its logits, its second head's quantities
+    and its side tensors."""
+
+    def __init__(self, x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn):
+        self.x, self.weight, self.bias = _rows(x), weight, bias
+        self.token_args = [_rows(t) for t in token_args]
+        self.ref_x = _rows(ref_x) if ref_weight is not None else None
+        self.ref_weight, self.ref_bias = ref_weight, ref_bias
+        self.ref_logits_to_token_fn = ref_logits_to_token_fn and ref_weight is not None
+
+    def ref_logits(self, ranges: Ranges) -> torch.Tensor:
+        with torch.no_grad():
+            return _logits(_gather(self.ref_x, ranges), self.ref_weight, self.ref_bias).float()
+
+    def token_fn_ref_args(self, ranges: Ranges) -> tuple:
+        """``(ref_logits,)`` where ``token_fn`` takes the second head's logits, else ``()``."""
+        if not self.ref_logits_to_token_fn:
+            return ()
+        if not ranges:  # empty batch
+            return (self.x.new_zeros((0, self.ref_weight.shape[0]), dtype=torch.float32),)
+        return (self.ref_logits(ranges),)
+
+    def logits(self, ranges: Ranges, x_rows: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            return _logits(_gather(self.x, ranges) if x_rows is None else x_rows, self.weight, self.bias)
+
+    def ref_quantities(self, ranges: Ranges, token_fn: TokenFn, targs) -> torch.Tensor | None:
+        """The second head's ``token_fn`` quantities (None without one, or where ``token_fn`` takes its logits)."""
+        if self.ref_weight is None or self.ref_logits_to_token_fn:
+            return None
+        with torch.no_grad():
+            return token_fn(self.ref_logits(ranges), *targs).detach()
+
+    def write_grad_x(self, grads: _GradAccumulator, ranges: Ranges):
+        def write(dx_rows: torch.Tensor) -> None:
+            flat = grads.grad_x.view(self.x.shape)
+            offset = 0
+            for a, b in ranges:
+                flat[a:b] = dx_rows[offset: offset + b - a]
+                offset += b - a
+        return write
+
+
+def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_len, grads):
+    loss = torch.zeros((), device=rows.x.device, dtype=torch.float32)
+    metrics = []
+    for row_ranges, group_ranges in zip(plan.row_ranges, plan.group_ranges):
+        x_rows = _gather(rows.x, row_ranges)
+        targs = [_gather(t, row_ranges) for t in rows.token_args]
+        gargs = [_gather(t, group_ranges) for t in group_args]
+        q_ref = rows.ref_quantities(row_ranges, token_fn, targs)
+        if q_ref is not None:
+            q_ref = q_ref.view(-1, seq_len, q_ref.shape[-1])
+        ref_args = rows.token_fn_ref_args(row_ranges)
+        logits = rows.logits(row_ranges, x_rows)
+        with torch.enable_grad():
+            logits32 = logits.float().requires_grad_(True)
+            q = token_fn(logits32, *ref_args, *targs)
+            chunk_loss, chunk_metrics = group_fn(q.view(-1, seq_len, q.shape[-1]), q_ref, *gargs)
+            grad_logits = _chunk_logit_grad(chunk_loss, logits32)
+        del logits, logits32, q, ref_args
+        loss += chunk_loss.detach().float()
+        metrics.append(tuple(m.detach() for m in chunk_metrics))
+        grads.add(grad_logits, x_rows, rows.write_grad_x(grads, row_ranges))
+        del grad_logits
+    return loss, _merge_metrics(metrics)
+
+
+def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, batch_shape, grads):
+    q_parts, q_ref_parts = [], []
+    for row_ranges in plan.row_ranges:
+        targs = [_gather(t, row_ranges) for t in rows.token_args]
+        with torch.no_grad():
+            q_parts.append(token_fn(rows.logits(row_ranges).float(), *rows.token_fn_ref_args(row_ranges), *targs))
+        q_ref_parts.append(rows.ref_quantities(row_ranges, token_fn, targs))
+    q_all = torch.cat(q_parts).view(*batch_shape, -1)
+    q_ref = torch.cat(q_ref_parts).view(*batch_shape, -1) if q_ref_parts[0] is not None else None
+    with torch.enable_grad():
+        q_all.requires_grad_(True)
+        loss, metrics = group_fn(q_all, q_ref, *group_args)
+        grad_q = _rows(_chunk_logit_grad(loss, q_all))
+    for row_ranges in plan.row_ranges:
+        x_rows = _gather(rows.x, row_ranges)
+        ref_args = rows.token_fn_ref_args(row_ranges)
+        logits = rows.logits(row_ranges, x_rows)
+        with torch.enable_grad():
+            logits32 = logits.float().requires_grad_(True)
+            q = token_fn(logits32, *ref_args, *(_gather(t, row_ranges) for t in rows.token_args))
+            grad_logits = _chunk_logit_grad(q, logits32, _gather(grad_q, row_ranges))
+        del logits, logits32, q, ref_args
+        grads.add(grad_logits, x_rows, rows.write_grad_x(grads, row_ranges))
+        del grad_logits
+    return loss, tuple(metrics)
+
+
+# --------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------
+
+
+def scale_saved_gradient(grad: torch.Tensor | None, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient stored by a forward pass, times the upstream gradient (in place where allowed)."""
+    if grad is None or grad_output is None:
+        return None
+    if grad.device.type == "cuda" or is_interpreter():
+        return scale_gradient(grad, grad_output)
+    # Plain CPU runs (examples, without Triton's interpreter): the same product in torch.
+    return grad.mul_(grad_output.to(grad.dtype))
+
+
+def upstream_loss_gradient(grad_output: tuple) -> torch.Tensor | None:
+    """The loss's upstream gradient from a backward's ``*grad_output``, also when a caller's backward
+    forwards the whole tuple as one argument (``Base.backward(ctx, grad_output)``)."""
+    first = grad_output[0] if grad_output else None
+    if isinstance(first, tuple):
+        first = first[0] if first else None
+    return first
+
+
+class LigerChunkedHeadFunction(torch.autograd.Function):
+    """``apply(x, weight, bias, token_fn, group_fn, token_args, group_args, ref_x, ref_weight, ref_bias,
+    paired, additive, accum_fp32, ref_logits_to_token_fn)`` -> ``(loss, metrics)``; see the module docstring.
+
+    Gradients flow to ``x``, ``weight`` and ``bias`` (those that require grad); side tensors and
+    the second head get none. Backward may run only once per forward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, token_fn, group_fn, token_args=(), group_args=(), ref_x=None,
+                ref_weight=None, ref_bias=None, paired=False, additive=True, accum_fp32=False,
+                ref_logits_to_token_fn=False):
+        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
+                 bias is not None and bool(ctx.needs_input_grad[2]))
+        loss, metrics, grads = chunked_head_loss_and_grads(
+            x, weight, bias, token_fn, group_fn, token_args, group_args, ref_x, ref_weight, ref_bias,
+            paired=paired, additive=additive, needs=needs, accum_fp32=accum_fp32,
+            ref_logits_to_token_fn=ref_logits_to_token_fn)
+        save_head_grads(ctx, grads)
+        return loss, metrics
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_output):
+        return (*scaled_head_grads(ctx, upstream_loss_gradient(grad_output)),) + (None,) * 11
+
+
+def save_head_grads(ctx, grads: HeadGrads) -> None:
+    """Keep a forward's unit-upstream gradients for :func:`scaled_head_grads`."""
+    ctx.has_grads = (grads.x is not None, grads.weight is not None, grads.bias is not None)
+    ctx.save_for_backward(*(g for g in (grads.x, grads.weight, grads.bias) if g is not None))
+
+
+def scaled_head_grads(ctx, grad_loss: torch.Tensor | None) -> tuple:
+    """(dx, dW, db) scaled by the loss's upstream gradient, None where not computed."""
+    saved = iter(ctx.saved_tensors)
+    out = []
+    for present in ctx.has_grads:
+        out.append(scale_saved_gradient(next(saved), grad_loss) if present else None)
+    return tuple(out)
+
+
+def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token_fn: TokenFn,
+                      group_fn: GroupFn, token_args: Sequence[torch.Tensor] = (),
+                      group_args: Sequence[torch.Tensor] = (), ref_x: torch.Tensor | None = None,
+                      ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+                      paired: bool = False, additive: bool = True, accum_fp32: bool = False,
+                      ref_logits_to_token_fn: bool = False):
+    """Differentiable ``(loss, metrics)`` of ``group_fn(token_fn(x W^T + b))``; see the module docstring."""
+    return LigerChunkedHeadFunction.apply(x, weight, bias, token_fn, group_fn, tuple(token_args),
+                                          tuple(group_args), ref_x, ref_weight, ref_bias, paired, additive,
+                                          accum_fp32, ref_logits_to_token_fn)

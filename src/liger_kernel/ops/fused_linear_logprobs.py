@@ -1,0 +1,215 @@
+"""Per-token log-probabilities and entropies of a linear head at a temperature, without the logits.
+
+For hidden states ``x`` (N, D) (any leading shape, flattened), head ``W`` (V, D), bias ``b`` (V,)
+or None, targets ``y`` (N,) and temperature ``tau > 0``::
+
+    s = (x W^T + b) / tau                      (N, V), one chunk of rows at a time
+    logp_n = log_softmax(s_n)[y_n]             (0 where y_n == ignore_index)
+    H_n = logsumexp(s_n) - sum_v p_nv s_nv     (the entropy of p_n = softmax(s_n); 0 where ignored)
+
+Both outputs are float32 and differentiable in ``x``, ``W`` and ``b``: with upstream gradients
+``g`` (of ``logp``) and ``h`` (of ``H``), per row ::
+
+    dL/ds = g (onehot(y) - p) - h p (log p + H),    dL/dz = dL/ds / tau
+
+and ``dx = (dL/dz) W``, ``dW = (dL/dz)^T x``, ``db = sum_rows dL/dz``. The forward pass keeps
+only x, W, b and y; the backward hands the scalar ``sum_n g_n logp_n + h_n H_n`` to the chunked
+head engine, which recomputes each chunk's logits (one more GEMM per chunk) and differentiates
+through the same float32 code by autograd. Chunks follow the engine's budget
+(:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`); logits are one GEMM in the input
+dtype with float32 accumulation, everything after is float32, and the logit gradient is
+rounded to the input dtype for the gradient GEMMs.
+
+This is what an RL trainer computing its own policy loss needs (the log-probabilities of the
+sampled tokens and the entropy bonus). :class:`LigerFusedLinearScaledCrossEntropyFunction` is the
+same computation in the call shape verl uses: ``apply(_input (N, D), weight (V, D), target (N,),
+temperature=1.0, ignore_index=-100, m_tiles_per_cluster=1, return_entropy=False)`` returning the
+negative log-probabilities ``-logp`` (and ``H`` with ``return_entropy``). Deviation from the
+best-known library: the entropy is returned in float32, not in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.checks import check_tensor
+from liger_kernel.ops.chunked_head import (
+    ChunkedHeadConfig,
+    HeadGrads,
+    _logits,
+    check_head_args,
+    chunked_head_loss_and_grads,
+)
+from liger_kernel.ops.config import launch_config
+from liger_kernel.ops.fused_linear_cross_entropy import gemm_reduction_precision
+
+
+class LogProbEntropyRows:
+    """``token_fn`` of the chunked head engine: per float32 logit row ``z`` (R, V) and target ``y`` (R,)
+    (any shape with R entries), ``[logp]`` or ``[logp, H]`` (R, K) float32 at ``s = z / temperature``.
+
+    Rows whose target equals ``ignore_index`` (when one is given) are 0; any other target outside
+    [0, V) reads token 0. Differentiable by autograd; :meth:`backward_in_place` is the same
+    vector-Jacobian product in closed form, written over the logits (no autograd buffers)::
+
+        dL/dz = (c_logp (onehot(y) - p) - c_H p (log p + H)) / temperature
+    """
+
+    def __init__(self, temperature: float = 1.0, ignore_index: int | None = None, with_entropy: bool = True):
+        self.temperature, self.ignore_index, self.with_entropy = temperature, ignore_index, with_entropy
+
+    def _ids(self, target: torch.Tensor, vocab: int):
+        target = target.reshape(-1).long()
+        valid = target != self.ignore_index if self.ignore_index is not None else None
+        ids = torch.where((target >= 0) & (target < vocab), target, torch.zeros_like(target))
+        return ids.unsqueeze(-1), valid
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ids, valid = self._ids(target, logits.shape[-1])
+        scaled = logits / self.temperature if self.temperature != 1.0 else logits
+        logp_all = scaled.log_softmax(-1)
+        columns = [logp_all.gather(-1, ids).squeeze(-1)]
+        if self.with_entropy:
+            columns.append(-(logp_all.exp() * logp_all).sum(-1))
+        q = torch.stack(columns, dim=-1)
+        return q * valid.unsqueeze(-1) if valid is not None else q
+
+    def backward_in_place(self, logits: torch.Tensor, grad_q: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``dL/dz`` for ``grad_q = dL/dq`` (R, K), computed in ``logits``' storage (which it returns)."""
+        ids, valid = self._ids(target, logits.shape[-1])
+        grad_q = grad_q.to(logits.dtype) if valid is None else grad_q.to(logits.dtype) * valid.unsqueeze(-1)
+        c_logp = grad_q[:, :1]
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
+        logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+        if self.with_entropy:
+            p = logp.exp()
+            entropy = -torch.bmm(p.unsqueeze(1), logp.unsqueeze(-1)).view(-1, 1)
+            grad = logp.add_(entropy).mul_(-grad_q[:, 1:2]).sub_(c_logp).mul_(p)
+            del p
+        else:
+            grad = logp.exp_().mul_(-c_logp)
+        grad.scatter_add_(-1, ids, c_logp)
+        return grad.div_(self.temperature) if self.temperature != 1.0 else grad
+
+
+def check_temperature(temperature: float) -> None:
+    """A softmax temperature must be a finite number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check(x, weight, bias, target, temperature, ignore_index):
+    check_temperature(temperature)
+    check_tensor(target, "target")
+    if target.dtype.is_floating_point:
+        raise TypeError(f"target must hold integer token ids, got {target.dtype}")
+    if x.dim() < 1 or tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"target must have shape {tuple(x.shape[:-1])} (the input's leading shape), "
+                         f"got {tuple(target.shape)}")
+    check_head_args(x.reshape(1, -1, x.shape[-1]), weight, bias)
+    counted = target[target != ignore_index]
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= weight.shape[0]):
+        raise ValueError(f"target must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}")
+
+
+def row_chunks(x: torch.Tensor, weight: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges of 2-D ``x``: the same in forward and backward, so both compute the same logits."""
+    n_rows = x.shape[0]
+    floor_bytes = x.numel() * x.element_size() + weight.numel() * weight.element_size()
+    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes).chunk_rows
+    if rows < 1:
+        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {rows}")
+    return [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
+
+
+def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_index):
+    """(N, 2) float32 ``[logp, H]`` of 2-D ``x`` (N, D), chunk by chunk, no graph."""
+    n_rows = x.shape[0]
+    out = torch.empty((n_rows, 2), device=x.device, dtype=torch.float32)
+    rows = LogProbEntropyRows(temperature, ignore_index)
+    with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
+        for a, b in row_chunks(x, weight):
+            out[a:b] = rows(_logits(x[a:b], weight, bias).float(), target[a:b])
+    return out
+
+
+def logprobs_and_entropy_backward(x, weight, bias, target, temperature, ignore_index, grad_out, needs) -> HeadGrads:
+    """(dx, dW, db) for upstream gradients ``grad_out`` (N, 2) of ``[logp, H]``.
+
+    They are the gradients of the scalar ``sum_n grad_out[n] . [logp_n, H_n]``, which the chunked
+    head engine computes with every row a group of its own (one pass, each chunk's logits
+    recomputed and differentiated through :class:`LogProbEntropyRows`).
+    """
+
+    def group_fn(q, q_ref, upstream):
+        return (q[:, 0, :] * upstream).sum(), ()
+
+    _, _, grads = chunked_head_loss_and_grads(x.unsqueeze(1), weight, bias, LogProbEntropyRows(temperature, ignore_index),
+                                              group_fn,
+                                              token_args=(target.unsqueeze(1),), group_args=(grad_out,), needs=needs)
+    if grads.x is not None:
+        grads.x = grads.x.view(x.shape)
+    return grads
+
+
+class LigerFusedLinearLogProbsFunction(torch.autograd.Function):
+    """``apply(x, weight, bias, target, temperature=1.0, ignore_index=-100)`` -> ``(logp, entropy)``,
+    both float32 with ``x``'s leading shape; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, temperature=1.0, ignore_index=-100):
+        _check(x, weight, bias, target, temperature, ignore_index)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        t1 = target.reshape(-1)
+        out = logprobs_and_entropy_forward(x2, weight, bias, t1, temperature, ignore_index)
+        ctx.save_for_backward(x2, weight, bias, t1)
+        ctx.temperature, ctx.ignore_index, ctx.x_shape = temperature, ignore_index, x.shape
+        lead = tuple(x.shape[:-1])
+        return out[:, 0].reshape(lead), out[:, 1].reshape(lead)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        x2, weight, bias, t1 = ctx.saved_tensors
+        grad_out = torch.zeros((x2.shape[0], 2), device=x2.device, dtype=torch.float32)
+        if grad_logp is not None:
+            grad_out[:, 0] = grad_logp.reshape(-1)
+        if grad_entropy is not None:
+            grad_out[:, 1] = grad_entropy.reshape(-1)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        grads = logprobs_and_entropy_backward(x2, weight, bias, t1, ctx.temperature, ctx.ignore_index, grad_out,
+                                              needs)
+        grad_x = grads.x.view(ctx.x_shape) if grads.x is not None else None
+        return grad_x, grads.weight, grads.bias, None, None, None
+
+
+def fused_linear_logprobs(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                          bias: torch.Tensor | None = None, temperature: float = 1.0,
+                          ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, entropy)`` per token of ``x`` (..., D) through the head ``(weight, bias)`` at ``temperature``."""
+    return LigerFusedLinearLogProbsFunction.apply(x, weight, bias, target, temperature, ignore_index)
+
+
+class LigerFusedLinearScaledCrossEntropyFunction:
+    """verl's call shape: ``apply(_input, weight, target, temperature=1.0, ignore_index=-100,
+    m_tiles_per_cluster=1, return_entropy=False)`` -> ``-logp`` or ``(-logp, entropy)`` (float32).
+
+    ``m_tiles_per_cluster`` (a tiling knob of a Hopper kernel) is checked and otherwise ignored.
+    """
+
+    @staticmethod
+    def apply(_input, weight, target, temperature=1.0, ignore_index=-100, m_tiles_per_cluster=1,
+              return_entropy=False):
+        if isinstance(m_tiles_per_cluster, bool) or not isinstance(m_tiles_per_cluster, int) \
+                or m_tiles_per_cluster < 1:
+            raise ValueError(f"m_tiles_per_cluster must be an int >= 1, got {m_tiles_per_cluster!r}")
+        if not isinstance(return_entropy, bool):
+            raise TypeError("return_entropy must be a bool")
+        logp, entropy = LigerFusedLinearLogProbsFunction.apply(_input, weight, None, target, temperature,
+                                                               ignore_index)
+        return (-logp, entropy) if return_entropy else -logp

@@ -1,0 +1,290 @@
+"""Float64 references for the chunked head losses, and how their results are compared.
+
+fp32 inputs: the reference differentiates the loss through ``x @ W.T + b`` in float64; the
+engine's logits are one float32 GEMM and everything after is float32, so losses and gradients
+agree to float32 rounding, relative to each gradient's largest entry (the FLCE tests'
+tolerances, ``tests.ops.test_cross_entropy.assert_grad_close``).
+
+Low-precision inputs: the logits are a bf16 GEMM output (as an HF ``lm_head``), so the reference
+takes the logits the engine's own GEMM calls give on the engine's own chunks (one bf16 ulp of a
+logit moves a probability by up to 1.6%), evaluates the loss and its logit gradient ``G`` in
+float64 at them, and forms ``dX = G W``, ``dW = G^T X``, ``dB = sum G`` in float64. The engine
+rounds ``G`` to bf16 (u = 2**-8) and each GEMM output once, dW once per chunk (accumulated in
+bf16), and backward rounds once more when it scales by the upstream gradient; the componentwise
+bound ``|ours - ref| <= k u (|G| |W|)`` (resp. ``|G|^T |X|``, ``sum |G|``) then holds with
+``k = 3`` for dX and dB and ``k = chunks + 2`` for dW, plus float32 noise in ``G`` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig, chunk_plan
+from liger_kernel.ops.config import launch_config
+from liger_kernel.ops.fused_linear_cross_entropy import gemm_reduction_precision
+from tests.ops.test_cross_entropy import assert_grad_close
+
+BF16_UNIT = 2.0**-8
+
+
+def engine_plan(x, weight, paired, additive, needs=(True, True)):
+    """The chunk plan the engine uses for this batch (same configuration and overrides)."""
+    n_groups, seq_len, _ = x.shape
+    floor = (x.numel() * x.element_size() if needs[0] else 0) + \
+        (weight.numel() * weight.element_size() if needs[1] else 0)
+    rows = launch_config(ChunkedHeadConfig, n_groups * seq_len, weight.shape[0], floor).chunk_rows
+    return chunk_plan(n_groups, seq_len, paired, additive, rows)
+
+
+def engine_logits(x, weight, bias, plan):
+    """(B, T, V) logits in x's dtype by the engine's GEMM calls on its chunks."""
+    n_groups, seq_len, hidden = x.shape
+    x_rows = x.detach().reshape(-1, hidden)
+    out = x_rows.new_empty((x_rows.shape[0], weight.shape[0]))
+    with gemm_reduction_precision():
+        for ranges in plan.row_ranges:
+            rows = torch.cat([x_rows[a:b] for a, b in ranges])
+            z = rows @ weight.detach().t() if bias is None else torch.addmm(bias.detach(), rows, weight.detach().t())
+            offset = 0
+            for a, b in ranges:
+                out[a:b] = z[offset: offset + b - a]
+                offset += b - a
+    return out.view(n_groups, seq_len, -1)
+
+
+def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None):
+    """Float64 (loss, aux, grads, bounds) of ``loss_of_logits(logits64, ref_logits64) -> (loss, aux, q)``,
+    ``q`` the per-token quantities (B, T, K) the loss is a function of.
+
+    fp32: autograd through the float64 GEMM; ``bounds`` are then the per-entry float32
+    cancellation allowances (see :func:`fp32_cancellation`). Low precision: at the engine's
+    rounded logits, with the componentwise bounds of the module docstring.
+    """
+    x64, w64 = x.detach().double(), weight.detach().double()
+    b64 = bias.detach().double() if bias is not None else None
+    if x.dtype == torch.float32:
+        leaves = [t.clone().requires_grad_() for t in (x64, w64) + ((b64,) if b64 is not None else ())]
+        logits = leaves[0] @ leaves[1].t() + (leaves[2] if b64 is not None else 0)
+        loss, aux, q = loss_of_logits(logits, ref_logits)
+        *grads, grad_q = torch.autograd.grad(loss, leaves + [q], allow_unused=True)
+        grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+        return loss.detach(), aux, list(grads), fp32_cancellation(grad_q, x64, w64, weight.shape[0])
+    logits = engine_logits(x, weight, bias, plan).double().requires_grad_()
+    loss, aux, _ = loss_of_logits(logits, ref_logits)
+    (g,) = torch.autograd.grad(loss, logits)
+    g = g.reshape(-1, g.shape[-1])
+    xr = x64.reshape(-1, x64.shape[-1])
+    grads = [(g @ w64).view_as(x64), g.t() @ xr, g.sum(0)]
+    bounds = [(g.abs() @ w64.abs()).view_as(x64), g.abs().t() @ xr.abs(), g.abs().sum(0)]
+    return loss.detach(), aux, grads, bounds
+
+
+def fp32_cancellation(grad_q, x64, w64, vocab):
+    """Per-entry float32 allowance for cancellation inside a chunk's logit gradient.
+
+    A row's logit gradient is ``sum_k c_rk dq_rk/dz_r`` with ``c = dL/dq``; each derivative of a
+    log-softmax quantity holds differences such as ``onehot - p`` that cancel in float32 where
+    ``p`` is near one-hot, leaving an absolute error of a few units ``u = 2**-24`` of
+    ``c_r = sum_k |c_rk|`` (times ``1 + log V`` for entropy-like terms) however small the
+    difference is. Propagated through the GEMMs: ``4u c_r (1 + log V) max|W|`` in row r of dX,
+    ``4u sum_r c_r |x_r|`` in dW, ``4u sum_r c_r`` in dB.
+    """
+    import math
+
+    unit = 4 * 2.0**-24 * (1 + math.log(vocab))
+    c = grad_q.detach().abs().sum(-1).reshape(-1)
+    xr = x64.reshape(-1, x64.shape[-1]).abs()
+    return [(unit * c * float(w64.abs().max())).view(*x64.shape[:2], 1).expand_as(x64),
+            (unit * (c @ xr)).expand_as(w64), (unit * c.sum()).expand(w64.shape[0])]
+
+
+def assert_grads_match(leaves, ref_grads, bounds, n_chunks, upstream=1.0, names=("input", "weight", "bias")):
+    """Each leaf's grad against ``upstream * ref``: FLCE fp32 tolerances, or the bf16 bounds."""
+    for name, leaf, ref, bound in zip(names, leaves, ref_grads, bounds or [None] * 3):
+        if leaf is None or not leaf.requires_grad:
+            continue
+        assert leaf.grad is not None, f"no grad for {name}"
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype, name
+        expected = ref * upstream
+        if leaf.dtype == torch.float32:
+            assert_grad_close(leaf.grad, expected, torch.float32, f"grad {name}", extra=bound * abs(upstream))
+            continue
+        units = (n_chunks + 2 if name == "weight" else 3) * BF16_UNIT
+        allowed = units * bound * abs(upstream) + 1e-6 * float(expected.abs().max()) + 1e-12
+        excess = ((leaf.grad.double() - expected).abs() - allowed).max()
+        assert excess <= 0, f"grad {name}: exceeds the componentwise bound by {float(excess):.3g}"
+
+
+def assert_loss_match(actual, expected, msg="loss"):
+    torch.testing.assert_close(actual.double(), expected.double(), atol=2e-5, rtol=2e-5, msg=lambda m: f"{msg}\n{m}")
+
+
+# --------------------------------------------------------------------------------------
+# RL and distillation references (float64, written from TRL's published formulas)
+# --------------------------------------------------------------------------------------
+
+
+def selected_logprobs(logits, ids, temperature):
+    """(B, T) log-softmax of ``logits / temperature`` at ``ids`` (token 0 for an id outside the vocabulary)."""
+    safe = torch.where((ids >= 0) & (ids < logits.shape[-1]), ids, torch.zeros_like(ids))
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_reference(logp, mask, advantages, old=None, ref=None, vllm_is_ratio=None, num_items_in_batch=None,
+                   beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=None,
+                   importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                   delta=None, use_bias_correction_kl=False, vespo=(2.0, 3.0, 3.0, 2.0)):
+    """TRL GRPOTrainer's ``_compute_loss`` on per-token log-probs ``logp`` (B, T): ``(loss, metrics)``,
+    metrics as the fused loss returns them: ``(kl, clip_ratio)`` (kl only when beta != 0)."""
+    import math
+
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    old = logp.detach() if old is None else old.to(logp.dtype)
+    log_ratio = logp - old
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef_1 = torch.exp(log_w)
+    if beta != 0.0:
+        ref = logp.detach() if ref is None else ref.to(logp.dtype)
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    zero = torch.zeros_like(coef_1, dtype=torch.bool)
+    clipped = zero
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * logp
+        clipped = (coef_1 > epsilon_high) & (adv > 0)
+    elif loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        c1 = torch.clamp(coef_1, max=delta) if delta is not None else coef_1
+        per_token_loss = -torch.min(c1 * adv, coef_2 * adv)
+        clipped = ((coef_1 < 1 - epsilon_low) & (adv < 0)) | ((coef_1 > 1 + epsilon_high) & (adv > 0))
+    elif loss_type == "sapo":
+        temps = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token_loss = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv
+    elif loss_type == "vespo":
+        k_pos, lam_pos, k_neg, lam_neg = vespo
+        with torch.no_grad():
+            seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+            if vllm_is_ratio is not None:
+                seq = seq + torch.clamp(torch.log(vllm_is_ratio.to(logp.dtype)), math.log(1e-8), 20.0).sum(
+                    -1, keepdim=True)
+            log_w_seq = torch.clamp(seq, math.log(1e-8), 20.0)
+            k = torch.where(adv >= 0, k_pos, k_neg)
+            lam = torch.where(adv >= 0, lam_pos, lam_neg).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w_seq - lam * torch.exp(log_w_seq)).nan_to_num(0.0, 0.0, 0.0)
+        per_token_loss = -phi * adv * logp
+    else:
+        raise ValueError(loss_type)
+    if vllm_is_ratio is not None and loss_type != "vespo":
+        per_token_loss = per_token_loss * vllm_is_ratio.to(logp.dtype)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    n_seq = logp.shape[0]
+    if loss_type in ["grpo", "sapo"]:
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (n_seq * max_completion_length)
+    elif loss_type in ["cispo", "dapo", "vespo"]:
+        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(float(num_items_in_batch))
+        loss = (per_token_loss * mask).sum() / n.clamp(min=1.0)
+    else:  # luspo
+        loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()
+    tokens = mask.sum().clamp(min=1.0)
+    metrics = []
+    if beta != 0.0:
+        metrics.append((per_token_kl * mask).sum() / tokens)
+    metrics.append((clipped.expand_as(mask) * mask).sum() / tokens)
+    return loss, tuple(m.detach() for m in metrics)
+
+
+def generalized_jsd_reference(student_logits, teacher_logits, beta):
+    """Per-row generalised JSD (float64) in probability space: beta 0 is KL(teacher || student), 1 the reverse."""
+    p = torch.softmax(student_logits, -1)
+    q = torch.softmax(teacher_logits, -1)
+
+    def kl(a, b):
+        return (a * (a.log() - b.log())).sum(-1)
+
+    if beta == 0:
+        return kl(q, p)
+    if beta == 1:
+        return kl(p, q)
+    m = (1 - beta) * p + beta * q
+    return beta * kl(q, m) + (1 - beta) * kl(p, m)
+
+
+def distillation_reference(student_logits, teacher_logits, labels, soft_rows, weight_hard_loss, weight_soft_loss,
+                           temperature, ignore_index=-100):
+    """``(loss, (soft, hard), q)``: hard CE on unscaled student logits, soft ``soft_rows(s / tau, t / tau)``
+    (student logits zero-padded to the teacher's vocabulary), both summed over counted rows / their count;
+    ``q`` (N, 2) the per-row terms the loss sums."""
+    counted = labels != ignore_index
+    n_valid = counted.sum().clamp(min=1).to(student_logits.dtype)
+    hard_rows = torch.nn.functional.cross_entropy(student_logits, torch.where(counted, labels, -100),
+                                                  reduction="none")
+    s = student_logits / temperature
+    pad = teacher_logits.shape[-1] - s.shape[-1]
+    if pad:
+        s = torch.cat([s, s.new_zeros(s.shape[0], pad)], dim=-1)
+    q = torch.stack([hard_rows * counted, soft_rows(s, teacher_logits / temperature) * counted], dim=-1)
+    hard, soft = q[:, 0].sum() / n_valid, q[:, 1].sum() / n_valid
+    return weight_hard_loss * hard + weight_soft_loss * soft, (soft.detach(), hard.detach()), q
+
+
+def run_distillation_case(loss_call, soft_rows, weight_hard_loss, weight_soft_loss, temperature, dtype, n_rows,
+                          student_hidden, teacher_hidden, vocab, teacher_vocab=None, with_bias=True,
+                          ignore_index=-100, all_ignored=False, leading=None, chunk_rows=None,
+                          returns_parts=False):
+    """Run ``loss_call(xs, ws, xt, wt, labels, bs, bt)`` and check loss, parts and student gradients
+    against :func:`distillation_reference` (one engine group per row, as the distillation base runs)."""
+    from liger_kernel.ops.chunked_head import ChunkedHeadConfig
+    from liger_kernel.ops.config import override_launch_config
+    from tests.utils import DEVICE
+
+    teacher_vocab = teacher_vocab or vocab
+    xs = torch.randn(n_rows, student_hidden, device=DEVICE).to(dtype)
+    ws = (torch.randn(vocab, student_hidden, device=DEVICE) * 3 / student_hidden**0.5).to(dtype)
+    bs = torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None
+    xt = torch.randn(n_rows, teacher_hidden, device=DEVICE).to(dtype)
+    wt = (torch.randn(teacher_vocab, teacher_hidden, device=DEVICE) * 3 / teacher_hidden**0.5).to(dtype)
+    bt = torch.randn(teacher_vocab, device=DEVICE).to(dtype) if with_bias else None
+    labels = torch.randint(0, vocab, (n_rows,), device=DEVICE)
+    labels[torch.rand(n_rows, device=DEVICE) < 0.3] = ignore_index
+    labels[0] = 1 % vocab
+    if all_ignored:
+        labels[:] = ignore_index
+    shape = (n_rows,) if leading is None else leading
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (xs, ws, bs)]
+    override = {} if chunk_rows is None else {"chunk_rows": chunk_rows}
+    x_groups = xs.view(n_rows, 1, -1)
+    with override_launch_config(ChunkedHeadConfig, **override):
+        plan = engine_plan(x_groups, ws, False, True)
+        out = loss_call(leaves[0].view(*shape, -1), leaves[1], xt.view(*shape, -1), wt, labels.view(shape),
+                        leaves[2], bt)
+    loss = out[0] if returns_parts else out
+    upstream = float(torch.rand(()) + 0.5)
+    (loss * upstream).backward()
+    teacher = engine_logits(xt.view(n_rows, 1, -1), wt, bt, plan).double()
+
+    def loss_of_logits(logits, ref_z):
+        value, parts, q = distillation_reference(logits.view(n_rows, -1), ref_z.view(n_rows, -1), labels, soft_rows,
+                                                 weight_hard_loss, weight_soft_loss, temperature, ignore_index)
+        return value, parts, q.view(n_rows, 1, 2)
+
+    loss_ref, parts_ref, grads_ref, bounds = reference_grads(loss_of_logits, x_groups, ws, bs, plan, teacher)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_loss_match(loss, loss_ref)
+    if returns_parts:
+        for got, want in zip(out[1:], parts_ref):
+            assert not got.requires_grad
+            assert_loss_match(got, want, "soft/hard loss")
+    grads_ref[0], bounds[0] = grads_ref[0].view(xs.shape), bounds[0].reshape(xs.shape)
+    assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges), upstream)
+    return loss, leaves

@@ -1,0 +1,178 @@
+"""The chunked head engine against plain autograd through materialised float64 logits.
+
+A toy loss exercises every path: per-token quantities (the target's log-probability, the
+entropy and the row sum of the logits), a nonlinear function of per-sequence sums, a second
+head, pairs (chosen = first half, rejected = second half), a loss that is not additive over
+groups (two passes), chunks smaller than one sequence (two passes), chunk boundaries inside
+the batch, T = 1, odd vocabularies, bias or none, and an upstream gradient other than 1.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig, chunk_plan, chunked_head_loss
+from liger_kernel.ops.config import override_launch_config
+from tests.chunked_loss.reference import (
+    assert_grads_match,
+    assert_loss_match,
+    engine_logits,
+    engine_plan,
+    reference_grads,
+)
+from tests.utils import DEVICE
+
+IGNORE = -100
+
+
+def token_quantities(logits, target):
+    """(R, 3): log p(target) (0 where ignored), entropy, row sum of logits."""
+    logp = logits.log_softmax(-1)
+    counted = target != IGNORE
+    picked = logp.gather(-1, torch.where(counted, target, 0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.stack([picked * counted, entropy * counted, logits.sum(-1)], dim=-1)
+
+
+def make_group_fn(n_groups, paired, additive):
+    """Toy loss of per-sequence sums; normalisers from the whole batch, so it is additive over groups."""
+
+    def group_fn(q, q_ref, mask, weights):
+        logp = q[..., 0].sum(1)
+        entropy = q[..., 1].sum(1)
+        if q_ref is not None:
+            logp = logp - q_ref[..., 0].sum(1)
+        if not additive:
+            # (sum over the batch)^2 couples every group: only the two-pass path is exact.
+            return (logp.sum() / n_groups) ** 2 + 0.1 * entropy.mean() * logp.mean(), (logp.detach(),)
+        if paired:
+            half = q.shape[0] // 2
+            margin = logp[:half] - logp[half:]
+            loss = (-F.logsigmoid(0.7 * margin) * weights[:half]).sum() / (n_groups // 2)
+            loss = loss + 0.01 * (entropy**2).sum() / n_groups
+            return loss, (margin.detach(), q[..., 2].sum().detach())
+        loss = (weights * F.softplus(0.3 * logp)).sum() / n_groups + 0.01 * (entropy**2).sum() / n_groups
+        return loss, (logp.detach(), q[..., 2].sum().detach())
+
+    return group_fn
+
+
+def make_batch(n_groups, seq_len, hidden, vocab, dtype, with_bias, with_ref):
+    x = torch.randn(n_groups, seq_len, hidden, device=DEVICE).to(dtype)
+    weight = (torch.randn(vocab, hidden, device=DEVICE) * 2 / hidden**0.5).to(dtype)
+    bias = torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None
+    target = torch.randint(0, vocab, (n_groups, seq_len), device=DEVICE)
+    target[torch.rand(n_groups, seq_len, device=DEVICE) < 0.25] = IGNORE
+    target[0, 0] = torch.randint(0, vocab, ())  # a counted token, so the gradients are not all cancellation noise
+    if n_groups > 1:
+        target[1] = IGNORE  # one sequence with every token ignored
+    ref = None
+    if with_ref:
+        ref = (torch.randn(n_groups, seq_len, hidden, device=DEVICE).to(dtype),
+               (torch.randn(vocab, hidden, device=DEVICE) * 2 / hidden**0.5).to(dtype),
+               torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None)
+    weights = torch.rand(n_groups, device=DEVICE) + 0.5
+    return x, weight, bias, target, ref, weights
+
+
+def run_case(n_groups, seq_len, hidden, vocab, dtype, with_bias, paired, with_ref, additive, chunk_rows):
+    x, weight, bias, target, ref, weights = make_batch(n_groups, seq_len, hidden, vocab, dtype, with_bias, with_ref)
+    mask = target != IGNORE
+    group_fn = make_group_fn(n_groups, paired, additive)
+    with override_launch_config(ChunkedHeadConfig, chunk_rows=chunk_rows):
+        plan = engine_plan(x, weight, paired, additive)
+        leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+        loss, metrics = chunked_head_loss(
+            leaves[0], leaves[1], leaves[2], token_quantities, group_fn, token_args=(target,),
+            group_args=(mask, weights), ref_x=ref[0] if ref else None, ref_weight=ref[1] if ref else None,
+            ref_bias=ref[2] if ref else None, paired=paired, additive=additive)
+    upstream = float(torch.rand(()) + 0.5)
+    (loss * upstream).backward()
+
+    ref_logits = None
+    if ref:
+        ref_logits = engine_logits(ref[0], ref[1], ref[2], plan).double()  # the engine's rounding of its logits
+
+    def loss_of_logits(logits, ref_z):
+        q = token_quantities(logits.reshape(-1, vocab), target.reshape(-1)).view(n_groups, seq_len, 3)
+        q_ref = None
+        if ref_z is not None:
+            q_ref = token_quantities(ref_z.reshape(-1, vocab), target.reshape(-1)).view(n_groups, seq_len, 3)
+        return (*group_fn(q, q_ref, mask, weights), q)
+
+    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_loss_match(loss, loss_ref)
+    assert len(metrics) == len(metrics_ref)
+    for got, want in zip(metrics, metrics_ref):
+        assert not got.requires_grad and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
+    assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges), upstream)
+    return plan
+
+
+# (B, T, D, V, chunk_rows): chunk boundaries inside the batch, T = 1, V prime / 2 / not a power of 2.
+SHAPES = [(4, 5, 16, 37, 10), (6, 3, 32, 101, 7), (2, 1, 8, 2, 1), (4, 7, 16, 257, 1000)]
+
+
+@pytest.mark.parametrize("n_groups, seq_len, hidden, vocab, chunk_rows", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paired, with_ref, with_bias", [(False, False, True), (True, True, False),
+                                                         (True, False, True), (False, True, False)])
+def test_matches_float64(n_groups, seq_len, hidden, vocab, chunk_rows, dtype, paired, with_ref, with_bias):
+    plan = run_case(n_groups, seq_len, hidden, vocab, dtype, with_bias, paired, with_ref, True, chunk_rows)
+    assert plan.one_pass == (seq_len * (2 if paired else 1) <= chunk_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paired, additive, chunk_rows", [(True, True, 3), (False, True, 4), (False, False, 5),
+                                                          (True, False, 1000)])
+def test_two_passes_match_float64(dtype, paired, additive, chunk_rows):
+    """Chunks shorter than a sequence (or a pair), or a loss coupling all groups: two passes."""
+    plan = run_case(4, 5, 16, 53, dtype, True, paired, True, additive, chunk_rows)
+    assert not plan.one_pass
+
+
+def test_plan_covers_rows_once():
+    for n_groups, seq_len, paired, additive, rows in [(6, 4, True, True, 8), (6, 4, True, True, 9), (5, 3, False, True, 7),
+                                                     (5, 3, False, False, 4), (4, 2, True, True, 1)]:
+        plan = chunk_plan(n_groups, seq_len, paired, additive, rows)
+        covered = sorted(r for ranges in plan.row_ranges for a, b in ranges for r in range(a, b))
+        assert covered == list(range(n_groups * seq_len))
+        for ranges in plan.row_ranges:
+            assert sum(b - a for a, b in ranges) <= max(rows, 0) or not plan.one_pass
+        if plan.one_pass:
+            for ranges in plan.group_ranges:
+                if paired:  # whole pairs: group i with group i + B/2
+                    (a, b), (c, d) = ranges
+                    assert (c - a, d - b) == (n_groups // 2, n_groups // 2)
+
+
+def test_frozen_weight_and_empty_batch():
+    x, weight, bias, target, _, weights = make_batch(4, 3, 8, 11, torch.float32, True, False)
+    mask = target != IGNORE
+    x.requires_grad_()
+    loss, _ = chunked_head_loss(x, weight, bias, token_quantities, make_group_fn(4, False, True), (target,),
+                                (mask, weights))
+    loss.backward()
+    assert x.grad is not None and weight.grad is None and bias.grad is None
+    empty = torch.zeros(0, 3, 8, device=DEVICE, requires_grad=True)
+    loss, (logp, _) = chunked_head_loss(empty, weight, None, token_quantities, make_group_fn(1, False, True),
+                                        (target[:0],), (mask[:0], weights[:0]))
+    assert float(loss.detach()) == 0.0 and logp.shape == (0,)
+    loss.backward()
+    assert empty.grad.shape == empty.shape
+
+
+def test_bad_arguments_raise():
+    x, weight, bias, target, _, weights = make_batch(3, 2, 8, 11, torch.float32, True, False)
+    group_fn = make_group_fn(3, True, True)
+    with pytest.raises(ValueError, match="even batch"):
+        chunked_head_loss(x, weight, bias, token_quantities, group_fn, (target,), (target != IGNORE, weights),
+                          paired=True)
+    with pytest.raises(ValueError, match="3-D"):
+        chunked_head_loss(x[0], weight, bias, token_quantities, group_fn, (target,))
+    with pytest.raises(TypeError, match="same dtype"):
+        chunked_head_loss(x, weight.bfloat16(), None, token_quantities, group_fn, (target,))
+    with pytest.raises(ValueError, match="token_args"):
+        chunked_head_loss(x, weight, bias, token_quantities, group_fn, (target[:, :1],))

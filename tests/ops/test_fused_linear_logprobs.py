@@ -1,0 +1,116 @@
+"""Per-token log-probabilities and entropies through a fused head, against float64 autograd.
+
+Both outputs get upstream gradients (as a policy loss with an entropy bonus gives them), or
+only one of them; temperature != 1; ignored tokens; odd shapes; fp32 and bf16; verl's call shape.
+"""
+
+import pytest
+import torch
+
+from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig, ChunkPlan
+from liger_kernel.ops.config import override_launch_config
+from liger_kernel.ops.fused_linear_logprobs import LogProbEntropyRows, fused_linear_logprobs, row_chunks
+from tests.chunked_loss.reference import assert_grads_match, assert_loss_match, reference_grads
+from tests.utils import DEVICE
+
+IGNORE = -100
+
+
+def reference_rows(logits, target, temperature):
+    """float64 (logp, entropy) per row, 0 where ignored."""
+    valid = target != IGNORE
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    picked = logp_all.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return picked * valid, entropy * valid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("leading, hidden, vocab, temperature, with_bias, grads_of, chunk_rows", [
+    ((3, 7), 16, 37, 0.7, True, "both", None),
+    ((11,), 8, 2, 1.0, False, "both", 4),
+    ((2, 5), 32, 101, 1.6, True, "logp", 3),
+    ((4, 1), 16, 53, 0.9, False, "entropy", None),
+])
+def test_matches_float64(dtype, leading, hidden, vocab, temperature, with_bias, grads_of, chunk_rows):
+    x = torch.randn(*leading, hidden, device=DEVICE).to(dtype)
+    weight = (torch.randn(vocab, hidden, device=DEVICE) * 3 / hidden**0.5).to(dtype)
+    bias = torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None
+    target = torch.randint(0, vocab, leading, device=DEVICE)
+    target[torch.rand(leading, device=DEVICE) < 0.3] = IGNORE
+    target.view(-1)[0] = 0
+    g = torch.randn(leading, device=DEVICE) * (grads_of != "entropy")
+    h = torch.randn(leading, device=DEVICE) * (grads_of != "logp")
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    override = {} if chunk_rows is None else {"chunk_rows": chunk_rows}
+    with override_launch_config(ChunkedHeadConfig, **override):
+        logp, entropy = fused_linear_logprobs(leaves[0], leaves[1], target, leaves[2], temperature)
+        assert logp.shape == entropy.shape == leading and logp.dtype == entropy.dtype == torch.float32
+        # Only the outputs the loss reads get an upstream gradient (the other's is None in backward).
+        terms = ([(logp * g).sum()] if grads_of != "entropy" else []) + \
+            ([(entropy * h).sum()] if grads_of != "logp" else [])
+        sum(terms).backward()
+        ranges = row_chunks(x.reshape(-1, hidden), weight)
+    plan = ChunkPlan(False, tuple(((a, b),) for a, b in ranges), ())
+    n = target.numel()
+
+    def loss_of_logits(logits, _):
+        lp, ent = reference_rows(logits.reshape(n, vocab), target.reshape(-1), temperature)
+        value = (lp * g.reshape(-1)).sum() + (ent * h.reshape(-1)).sum()
+        return value, (lp.detach(), ent.detach()), torch.stack([lp, ent], -1).view(1, n, 2)
+
+    x_rows = x.reshape(1, n, hidden)
+    _, (lp_ref, ent_ref), grads_ref, bounds = reference_grads(loss_of_logits, x_rows, weight, bias, plan)
+    assert_loss_match(logp.reshape(-1), lp_ref, "log-probabilities")
+    assert_loss_match(entropy.reshape(-1), ent_ref, "entropies")
+    assert float(logp.detach().reshape(-1)[target.reshape(-1) == IGNORE].abs().sum()) == 0.0
+    grads_ref[0], bounds[0] = grads_ref[0].view(x.shape), bounds[0].reshape(x.shape)
+    assert_grads_match(leaves, grads_ref, bounds, len(ranges))
+
+
+def test_verl_call_shape():
+    """``LigerFusedLinearScaledCrossEntropyFunction.apply(_input, weight, target, temperature, ignore_index,
+    m_tiles_per_cluster, return_entropy)`` -> negative log-probabilities (and entropies)."""
+    x, weight = torch.randn(9, 8, device=DEVICE), torch.randn(19, 8, device=DEVICE)
+    target = torch.randint(0, 19, (9,), device=DEVICE)
+    target[2] = IGNORE
+    nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(x, weight, target, 0.8, IGNORE, 1, True)
+    lp_ref, ent_ref = reference_rows(x.double() @ weight.double().t(), target, 0.8)
+    assert_loss_match(nll, -lp_ref, "nll")
+    assert_loss_match(entropy, ent_ref, "entropy")
+    only = LigerFusedLinearScaledCrossEntropyFunction.apply(x, weight, target, temperature=0.8)
+    torch.testing.assert_close(only, nll)
+
+
+def test_bad_arguments_raise():
+    x, weight = torch.randn(4, 8), torch.randn(7, 8)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_linear_logprobs(x, weight, torch.zeros(4).long(), temperature=0.0)
+    with pytest.raises(ValueError, match="target"):
+        fused_linear_logprobs(x, weight, torch.zeros(5).long())
+    with pytest.raises(ValueError, match="target"):
+        fused_linear_logprobs(x, weight, torch.full((4,), 7))
+    with pytest.raises(ValueError, match="m_tiles_per_cluster"):
+        LigerFusedLinearScaledCrossEntropyFunction.apply(x, weight, torch.zeros(4).long(), m_tiles_per_cluster=0)
+
+
+@pytest.mark.parametrize("with_entropy, temperature, ignore_index", [(True, 0.7, IGNORE), (False, 1.3, None),
+                                                                     (True, 1.0, None), (False, 1.0, IGNORE)])
+def test_backward_in_place_matches_autograd(with_entropy, temperature, ignore_index):
+    """The closed-form vector-Jacobian product the engine may use instead of autograd."""
+    rows = LogProbEntropyRows(temperature, ignore_index, with_entropy)
+    logits = torch.randn(9, 23, device=DEVICE) * 3
+    target = torch.randint(0, 23, (9,), device=DEVICE)
+    target[2] = IGNORE  # ignored, or (without ignore_index) out of range: reads token 0
+    grad_q = torch.randn(9, 2 if with_entropy else 1, device=DEVICE)
+    z = logits.double().requires_grad_()
+    (expected,) = torch.autograd.grad(rows(z, target), z, grad_q.double())
+    before = logits.clone()
+    q = rows(logits, target)
+    assert torch.equal(logits, before)  # the forward leaves the logits alone
+    q64 = rows(logits.double(), target)
+    torch.testing.assert_close(q.double(), q64, atol=1e-5, rtol=1e-5)
+    got = rows.backward_in_place(logits, grad_q, target)
+    assert got.data_ptr() == logits.data_ptr()
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
