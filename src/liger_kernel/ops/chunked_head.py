@@ -79,7 +79,7 @@ from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.fused_linear_cross_entropy import (
-    _accumulate_grad_weight,
+    accumulate_grad_weight,
     chunk_rows_for,
     gemm_reduction_precision,
 )
@@ -238,7 +238,7 @@ class _GradAccumulator:
         if self.grad_x is not None:
             write_x(torch.matmul(g, self.weight))
         if self.grad_w is not None:
-            _accumulate_grad_weight(self.grad_w, g, x_rows, first=False)
+            accumulate_grad_weight(self.grad_w, g, x_rows, first=False)
         if self.grad_b is not None:
             self.grad_b.add_(grad_logits.sum(0))
 
