@@ -224,3 +224,23 @@ def test_target_checks():
 def test_default_out_dir_is_one_folder_per_gpu_kind(label, folder):
     """A run replaces the committed latest run of its GPU kind (benchmarks/results/<kind>/)."""
     assert cli.default_out_dir(label) == REPO / "benchmarks" / "results" / folder
+
+
+def test_set_overrides_a_launch_configuration_for_the_run_only():
+    import contextlib
+
+    from benchmarks.__main__ import apply_overrides
+    from liger_kernel.ops.config import launch_config
+    from liger_kernel.ops.cross_entropy import CrossEntropyConfig
+
+    default = launch_config(CrossEntropyConfig)
+    with contextlib.ExitStack() as stack:
+        applied = apply_overrides(["liger_kernel.ops.cross_entropy.CrossEntropyConfig.prefetch="
+                                   f"{not default.prefetch}"], stack)
+        assert applied == [f"liger_kernel.ops.cross_entropy.CrossEntropyConfig.prefetch={not default.prefetch!r}"]
+        assert launch_config(CrossEntropyConfig).prefetch is (not default.prefetch)
+    assert launch_config(CrossEntropyConfig) == default
+    for bad in ("liger_kernel.ops.cross_entropy.CrossEntropyConfig.no_such_field=1",
+                "liger_kernel.ops.cross_entropy.CE_PREFETCH=False", "prefetch=False"):
+        with contextlib.ExitStack() as stack, pytest.raises(SystemExit):
+            apply_overrides([bad], stack)
