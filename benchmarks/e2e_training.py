@@ -44,6 +44,7 @@ Usage::
 import argparse
 import csv
 import datetime
+import functools
 import gc
 import json
 import math
@@ -400,7 +401,8 @@ def patched_modules(model: torch.nn.Module) -> list[str]:
         from liger_kernel.transformers import liger_patched_modules
     except ImportError:
         return [n for n, m in model.named_modules()
-                if type(m).__name__.startswith("Liger") or "forward" in vars(m)]
+                if type(m).__name__.startswith("Liger")
+                or getattr(getattr(m.forward, "__func__", m.forward), "__module__", "").startswith("liger_kernel")]
     return liger_patched_modules(model)
 
 
@@ -493,8 +495,8 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
     if head_rate is not None:
         tc = text_config(config)
         head_floor_ms = 6.0 * batch * seq * tc.hidden_size * tc.vocab_size / head_rate * 1e3
-        result.floor = step_floor.profile_step(lambda: train_step(model, optimizer, timed[-1]), device,
-                                               tc.vocab_size, head_floor_ms)
+        result.floor = step_floor.profile_step(functools.partial(train_step, model, optimizer, timed[-1]),
+                                               device, tc.vocab_size, head_floor_ms)
     if max_seq_budget_s is not None:
         search_start = time.perf_counter()
         result.max_seq_len, result.first_oom_seq_len, seq_notes = find_max_seq(
@@ -510,12 +512,20 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
 
 
 def environment(device: torch.device) -> dict:
+    import importlib.metadata
+
     import liger_kernel
 
+    version = getattr(liger_kernel, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version("liger-kernel")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
     return {
         "gpu": device_name(device),
         **versions(),
-        "liger_kernel": liger_kernel.__version__,
+        "liger_kernel": version,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
@@ -699,6 +709,10 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = build_config(args.model)
     env = environment(device)
+    if os.environ.get("LIGER_UPSTREAM_PATH") and args.json_out is not None:
+        from benchmarks import peers
+
+        peers.check_upstream_import(os.environ["LIGER_UPSTREAM_PATH"])
     if args.json_out is None:
         print(f"e2e training: {args.model} ({config.model_type}, {dtype}), batch {args.batch} x seq {args.seq}, "
               f"{args.warmup} warm-up + {args.steps} timed steps on {env['gpu']}; variants "
@@ -725,7 +739,6 @@ def main(argv=None) -> int:
 
     ckpt_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.grad_ckpt]
     runs = [(v, c) for c in ckpt_modes for v in args.variants]
-    in_process = [(v, c) for v, c in runs if v != "liger-upstream"]
     results = []
     for i, (variant, ckpt) in enumerate(runs):
         budget = None

@@ -157,5 +157,4 @@ def head_gemm_rate(n: int, d: int, v: int, dtype: torch.dtype, device: torch.dev
             three()
             times.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times)
-    del x, w, g
     return 6.0 * n * d * v / (ms * 1e-3)
