@@ -664,13 +664,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def compare_losses(results: list[VariantResult]) -> tuple[bool, list[str]]:
-    """Every variant's losses against the first variant's (same data): (all match, report lines)."""
-    reference = results[0]
+    """Every variant's losses against the first variant's (same data): (all match, report lines).
+
+    A variant without losses (a peer that could not run; its notes say why) is listed, not judged.
+    """
+    ran = [r for r in results if r.losses]
     lines, ok = [], True
     for r in results:
-        lines.append(f"  losses {r.variant:20s}: {' '.join(f'{x:.4f}' for x in r.losses)}")
+        lines.append(f"  losses {r.variant:20s}: {' '.join(f'{x:.4f}' for x in r.losses) or 'none (not run)'}")
+    if not ran:
+        return False, lines
+    reference = ran[0]
     allowed = LOSS_RTOL * max(abs(x) for x in reference.losses)
-    for r in results[1:]:
+    for r in ran[1:]:
         if len(r.losses) != len(reference.losses):
             ok = False
             lines.append(f"  {r.variant}: {len(r.losses)} losses, {reference.variant}: {len(reference.losses)}")

@@ -15,6 +15,16 @@
 #   GPU_CHECK_WORKERS (6)  xdist workers for all but the memory-hungry tests
 #   BENCH_ARGS    extra arguments for python -m benchmarks, e.g. "--quick --ops rope"
 #   E2E_ARGS      extra arguments for benchmarks/e2e_training.py
+#   E2E_RUNS      several e2e runs in one call, argument sets separated by ';' (replaces E2E_ARGS), e.g.
+#                 "--model qwen3-0.6b --variants all --skip-max-seq; --model gemma3-1b --variants all --skip-max-seq"
+#                 (each run writes e2e_<preset>.csv/.png; see benchmarks/e2e_training.py --help)
+#   GPU_CHECK_PEERS=0|1 (0)  peers in the same run (benchmarks/peers.py): install the wheels of
+#                 GPU_CHECK_WHEELS (default .whl/, an ignored folder: pass it in the device tool's carry)
+#                 offline: *.whl with pip --no-index --no-deps --target $TMPDIR/liger_peers (appended to
+#                 PYTHONPATH, after this checkout's src), upstream/*.whl (the upstream liger-kernel release)
+#                 into $TMPDIR/liger_upstream (its own directory, never on this process's path; children
+#                 import it from LIGER_UPSTREAM_PATH); then the benchmarks get --peers all and the e2e
+#                 runs may name the liger-upstream variant. A peer that is missing is reported as skipped.
 #   GPU_CHECK_INSTALL=0|1 (1)  pip install --no-deps --no-build-isolation -e . first (so
 #                 transformers' is_liger_kernel_available() sees the package); PYTHONPATH=src
 #                 is set either way, and is all there is when the install fails
@@ -125,6 +135,25 @@ except m.PackageNotFoundError:
     print('distribution liger-kernel not installed (transformers will not see it)')" 2>&1
 } >>"$out/env.txt"
 
+if [ "${GPU_CHECK_PEERS:-0}" = 1 ]; then
+  wheels=${GPU_CHECK_WHEELS:-$root/.whl}
+  peer_site=${TMPDIR:-/tmp}/liger_peers
+  upstream_site=${TMPDIR:-/tmp}/liger_upstream
+  {
+    echo "# peers: wheels from $wheels"
+    ls -la "$wheels" "$wheels/upstream" 2>&1
+    if compgen -G "$wheels/*.whl" >/dev/null; then
+      "$PY" -m pip install --no-index --no-deps --upgrade --target "$peer_site" "$wheels"/*.whl 2>&1 | tail -2
+      export PYTHONPATH="$PYTHONPATH:$peer_site"
+    fi
+    if compgen -G "$wheels/upstream/*.whl" >/dev/null; then
+      "$PY" -m pip install --no-index --no-deps --upgrade --target "$upstream_site" "$wheels"/upstream/*.whl 2>&1 | tail -2
+      export LIGER_UPSTREAM_PATH="$upstream_site"
+    fi
+  } >>"$out/env.txt" 2>&1
+  BENCH_ARGS="--peers all ${BENCH_ARGS:-}"
+fi
+
 status=0
 tests_rc=skipped bench_rc=skipped e2e_rc=skipped
 
@@ -170,9 +199,17 @@ if [ "$run_e2e" = 1 ]; then
     echo
     echo "=== $e2e_script ==="
   } >>"$out/bench.log"
-  # shellcheck disable=SC2086
-  with_timeout "$secs" "$PY" "$e2e_script" --out "$out" ${E2E_ARGS:-} >>"$out/bench.log" 2>&1
-  e2e_rc=$?
+  e2e_rc=0
+  IFS=';' read -r -a e2e_runs <<<"${E2E_RUNS:-${E2E_ARGS:-}}"
+  [ "${#e2e_runs[@]}" -gt 0 ] || e2e_runs=("")
+  for e2e_args in "${e2e_runs[@]}"; do
+    secs=$(stage_seconds e2e)
+    echo "--- e2e_training.py $e2e_args (up to ${secs}s)" >>"$out/bench.log"
+    # shellcheck disable=SC2086
+    with_timeout "$secs" "$PY" "$e2e_script" --out "$out" $e2e_args >>"$out/bench.log" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] || e2e_rc=$rc
+  done
   [ "$e2e_rc" = 0 ] || status=1
 fi
 
