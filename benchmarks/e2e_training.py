@@ -558,7 +558,7 @@ def write_csv(path: str, results: list[VariantResult], env: dict, args) -> None:
             row += [args.model, r.batch, r.seq, args.warmup, args.steps, *env.values(), "; ".join(r.notes)]
             f = r.floor
             row += ["+ckpt" in r.variant, args.max_batch, _cell(r.first_oom_batch, "{}")]
-            row += [_cell(f and f.floor_ms, "{:.3f}"), _cell(r.floor_over_step, "{:.4f}"),
+            row += [_cell(f and f.floor_ms, "{:.3f}"), _cell(r.floor_over_step, "{:.5g}"),
                     _cell(f and f.gemm_ms, "{:.3f}"), _cell(f and f.attention_ms, "{:.3f}"),
                     _cell(f and f.head_gemm_ms, "{:.3f}"), _cell(f and f.head_floor_ms, "{:.3f}"),
                     _cell(f and f.kernel_ms, "{:.3f}"), r.patched]
