@@ -71,6 +71,20 @@ class _OptimizerStub:
         pass
 
 
+def _oom_above(monkeypatch, dim: int, limit: int) -> list[int]:
+    """Training steps that run out of memory when ``input_ids.shape[dim] > limit``; returns the sizes tried."""
+    tried = []
+
+    def fake_step(model, optimizer, input_ids):
+        tried.append(input_ids.shape[dim])
+        if input_ids.shape[dim] > limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+
+    monkeypatch.setattr(e2e_training, "train_step", fake_step)
+    monkeypatch.setattr(e2e_training.torch, "randint", lambda low, high, size, device=None: torch.empty(size))
+    return tried
+
+
 @pytest.mark.parametrize(
     "limit, expected",
     [
@@ -81,15 +95,7 @@ class _OptimizerStub:
     ],
 )
 def test_max_seq_search(monkeypatch, limit, expected):
-    tried = []
-
-    def fake_step(model, optimizer, input_ids):
-        tried.append(input_ids.shape[1])
-        if input_ids.shape[1] > limit:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
-
-    monkeypatch.setattr(e2e_training, "train_step", fake_step)
-    monkeypatch.setattr(e2e_training.torch, "randint", lambda low, high, size, device=None: torch.empty(size))
+    tried = _oom_above(monkeypatch, 1, limit)
     fits, fails, notes = e2e_training.find_max_seq(None, _OptimizerStub(), batch=4, start_seq=2048, vocab=10,
                                                    device=torch.device("cpu"), budget_s=60.0)
     assert (fits, fails) == expected
@@ -192,15 +198,7 @@ def test_seq_candidates_past_32768():
 
 @pytest.mark.parametrize("limit, expected", [(37, (36, 40)), (1, (1, 2)), (600, (512, None)), (0, (0, 1))])
 def test_max_batch_search(monkeypatch, limit, expected):
-    tried = []
-
-    def fake_step(model, optimizer, input_ids):
-        tried.append(input_ids.shape[0])
-        if input_ids.shape[0] > limit:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
-
-    monkeypatch.setattr(e2e_training, "train_step", fake_step)
-    monkeypatch.setattr(e2e_training.torch, "randint", lambda low, high, size, device=None: torch.empty(size))
+    tried = _oom_above(monkeypatch, 0, limit)
     fits, fails, notes = e2e_training.find_max_batch(None, _OptimizerStub(), seq=128, vocab=10,
                                                      device=torch.device("cpu"), budget_s=60.0)
     assert (fits, fails) == expected
