@@ -253,7 +253,13 @@ if [ "$run_bench" = 1 ]; then
 fi
 echo "e2e: exit $e2e_rc"
 if [ "$run_e2e" = 1 ]; then
-  awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" | tail -15
+  if [ -n "${E2E_RUNS:-}" ]; then
+    # Several runs: each run's header, per-variant figures and loss verdicts.
+    awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" |
+      grep -E '^--- e2e|tokens/s,|floor .* ms =|match|ERROR|Traceback|Error' | tail -80
+  else
+    awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" | tail -15
+  fi
 fi
 n_files=$(find "$out" -type f | wc -l)
 echo "files in $out ($n_files): $(find "$out" -type f -printf '%P ')"
