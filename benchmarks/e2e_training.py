@@ -657,6 +657,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 2:
         parser.error("--steps >= 1, --warmup >= 0, --batch >= 1 and --seq >= 2 are required")
+    if args.warmup < 1 and any(v.endswith("-compile") for v in args.variants):
+        parser.error("the *-compile variants need --warmup >= 1 (the first step compiles)")
     if args.tag is None:
         parts = ([] if args.model == "llama-1b" else [args.model]) + (["max-batch"] if args.max_batch else [])
         args.tag = "_".join(parts)
