@@ -4,7 +4,8 @@ A training step cannot be faster than the matrix multiplications and the attenti
 do. From a ``torch.profiler`` trace of one step (``record_shapes=True``):
 
 * ``gemm_ms``: every GPU kernel whose name says it is a GEMM (cuBLAS / cuBLASLt / CUTLASS:
-  ``gemm``, ``nvjet``, ``xmma``, ``cutlass``, ``wgmma``; Inductor's GEMM templates);
+  ``gemm``, ``gemv``, ``nvjet``, ``xmma``, ``cutlass``, ``wgmma``, split-K reductions;
+  Inductor's GEMM templates ``triton_tem_*``; no other ``triton_*`` Inductor kernel);
 * ``attention_ms``: every kernel whose name says attention (flash, memory-efficient
   ``fmha``, cuDNN ``sdpa``), matched before the GEMM names;
 * ``head_gemm_ms``: the GEMM kernels launched by an op one of whose inputs has the
@@ -36,7 +37,13 @@ from dataclasses import dataclass
 import torch
 
 ATTENTION_NAMES = re.compile(r"flash|fmha|attention|sdpa|attn_fwd|attn_bwd", re.IGNORECASE)
-GEMM_NAMES = re.compile(r"gemm|nvjet|xmma|cutlass|wgmma|cublas|triton_tem_fused|_grouped_mm", re.IGNORECASE)
+# cuBLAS split-K GEMMs finish in a separate reduction kernel, part of the GEMM.
+GEMM_NAMES = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|wgmma|cublas|splitkreduce|_grouped_mm", re.IGNORECASE)
+# Inductor's generated kernels are named after the ops they fuse: a pointwise kernel that
+# lays out SDPA's inputs carries "scaled_dot_product" in its name without being attention.
+# Only its GEMM templates (triton_tem_*) are matmuls.
+INDUCTOR_PREFIX = "triton_"
+INDUCTOR_GEMM_PREFIX = "triton_tem_"
 CPU_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"})
 
 
@@ -68,6 +75,8 @@ def kind_of(name: str, cpu: bool = False) -> str:
         if "scaled_dot_product" in name or "flash_attention" in name:
             return "attention"
         return "gemm" if name in CPU_GEMM_OPS else "other"
+    if name.startswith(INDUCTOR_PREFIX):
+        return "gemm" if name.startswith(INDUCTOR_GEMM_PREFIX) else "other"
     if ATTENTION_NAMES.search(name):
         return "attention"
     return "gemm" if GEMM_NAMES.search(name) else "other"

@@ -231,6 +231,10 @@ def test_step_floor_classification_and_sum():
     assert (f.gemm_ms, f.head_gemm_ms, f.attention_ms) == pytest.approx((0.5, 0.2, 0.2))
     assert f.kernel_ms == pytest.approx(0.8)
     assert f.floor_ms == pytest.approx(0.5 - 0.2 + 0.2 + 0.15)
+    assert step_floor.kind_of("triton_poi_fused__scaled_dot_product_flash_attention_transpose_0") == "other"
+    assert step_floor.kind_of("triton_tem_fused_mm_0") == "gemm"
+    assert step_floor.kind_of("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
+    assert step_floor.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
     assert step_floor.kind_of("aten::mm", cpu=True) == "gemm"
     assert step_floor.kind_of("aten::linear", cpu=True) == "other"
 
