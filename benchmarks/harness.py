@@ -513,7 +513,7 @@ class Row:
     transformers: str = ""
     python: str = ""
     date: str = ""
-    provider_version: str = ""  # the peer package's version (benchmarks.peers); empty for the built-ins
+    provider_version: str = ""  # the provider's package and version (peers: benchmarks.peers)
     dims: dict[str, int] = field(default_factory=dict)
     # (target label, measured value, passed or None when it cannot be judged); not a CSV column
     checks: list[tuple[str, str, bool | None]] = field(default_factory=list)
@@ -551,12 +551,19 @@ def write_csv(rows: Sequence[Row], path: Path, append: bool = False) -> None:
             writer.writerow(row.csv_dict())
 
 
+def _dist(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+# The distribution whose code each built-in provider runs (its version goes in the rows).
+BUILTIN_DISTRIBUTIONS = {"liger": "liger-kernel", "hf_eager": "torch", "torch_compile": "torch"}
+
+
 def versions() -> dict[str, str]:
-    def dist(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
+    dist = _dist
 
     import triton
 
@@ -739,7 +746,9 @@ class Runner:
             size=spec.size(unit.shape), copy_tb_s=hw.copy_bytes_per_s / 1e12,
             matmul_tflop_s=hw.matmul_flops_per_s / 1e12, device=hw.device, gpu_name=hw.name,
             date=self.date, dims=dict(unit.shape), **self.meta,
-            provider_version=getattr(EXTRA_PROVIDERS.get(provider), "version", ""),
+            provider_version=getattr(EXTRA_PROVIDERS.get(provider), "version", "") or (
+                f"{BUILTIN_DISTRIBUTIONS[provider]} {_dist(BUILTIN_DISTRIBUTIONS[provider])}"
+                if provider in BUILTIN_DISTRIBUTIONS else ""),
         )
 
     def _judge(self, unit: _Unit, group: dict[str, list[Row]]) -> list[Row]:

@@ -67,6 +67,7 @@ def test_cli_records_unavailable_peers_and_runs_the_upstream_child(tmp_path):
         rows = {(r["op"], r["provider"]): r for r in csv.DictReader(f)}
     assert set(rows) == {("rms_norm", p) for p in ("hf_eager", "quack", peers.UPSTREAM)} | {
         ("fused_linear_cross_entropy", p) for p in ("hf_eager", "quack", "cut_cross_entropy", peers.UPSTREAM)}
+    assert rows[("rms_norm", "hf_eager")]["provider_version"] == f"torch {importlib.metadata.version('torch')}"
     assert rows[("rms_norm", "quack")]["status"] == "skipped: quack-kernels needs CUDA"
     assert rows[("fused_linear_cross_entropy", "cut_cross_entropy")]["status"] == "skipped: cut-cross-entropy needs CUDA"
     for op in ("rms_norm", "fused_linear_cross_entropy"):
