@@ -25,6 +25,14 @@
 #                 into $TMPDIR/liger_upstream (its own directory, never on this process's path; children
 #                 import it from LIGER_UPSTREAM_PATH); then the benchmarks get --peers all and the e2e
 #                 runs may name the liger-upstream variant. A peer that is missing is reported as skipped.
+#   Examples, one device call each (wheels: run `scripts/gpu_check.sh` with .whl in the carry list):
+#     GPU_CHECK_TESTS=0 GPU_CHECK_E2E=0 GPU_CHECK_PEERS=1 BENCH_ARGS=--quick       kernels vs every peer
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--variants all --skip-max-seq"  llama-1b, 4 variants + floor
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--model qwen3-0.6b --variants all --skip-max-seq"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_RUNS="--model qwen3-moe --skip-max-seq; --model qwen2.5-vl-3b --skip-max-seq"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--seq 16384 --max-batch --variants hf,hf-compile,liger --skip-max-seq --steps 3 --warmup 1"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--variants hf,liger --grad-ckpt both --max-seq-limit 131072 --max-seq-budget 360 --steps 2 --warmup 1"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 GPU_CHECK_PEERS=1 E2E_ARGS="--variants hf,liger,liger-upstream --skip-max-seq"
 #   GPU_CHECK_INSTALL=0|1 (1)  pip install --no-deps --no-build-isolation -e . first (so
 #                 transformers' is_liger_kernel_available() sees the package); PYTHONPATH=src
 #                 is set either way, and is all there is when the install fails
