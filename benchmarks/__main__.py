@@ -22,9 +22,11 @@ import contextlib
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.harness import MODES, PROVIDERS  # harness imports torch, not triton
+from benchmarks.peers import PEER_NAMES, UPSTREAM
 
 OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "jsd",
        "grpo", "fused_linear_jsd")
@@ -73,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "liger_kernel.ops.cross_entropy.CrossEntropyConfig.prefetch=False "
                         "(repeatable; recorded in overrides.txt)")
     p.add_argument("--list", action="store_true", help="print the ops and their shapes, then exit")
+    p.add_argument("--peers", type=_csv_choice(PEER_NAMES, "peer"), default=(),
+                   help=f"optional providers (benchmarks.peers): comma list of {', '.join(PEER_NAMES)} or all")
+    p.add_argument("--upstream-path", default=os.environ.get("LIGER_UPSTREAM_PATH", ""),
+                   help="directory holding the upstream liger_kernel (peer liger_upstream; env LIGER_UPSTREAM_PATH)")
     return p.parse_args(argv)
 
 
@@ -172,9 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     if applied:
         (out / "overrides.txt").write_text("\n".join(applied) + "\n")
         print("tunables overridden for this run: " + ", ".join(applied), flush=True)
+    from benchmarks import peers
+
+    extra = tuple(peers.register(args.peers, device))
+    if args.peers:
+        print("peers: " + (peers.describe(extra) or "none in-process")
+              + (f"; {UPSTREAM} from {args.upstream_path or '(no path)'}" if UPSTREAM in args.peers else ""), flush=True)
     timing = harness.TimingConfig(warmup_ms=args.warmup, rep_ms=args.rep, cuda_graph=not args.no_cuda_graph)
     cfg = harness.RunConfig(
-        device=device, dtype=getattr(torch, DTYPES[args.dtype]), modes=args.modes, providers=args.providers,
+        device=device, dtype=getattr(torch, DTYPES[args.dtype]), modes=args.modes, providers=args.providers + extra,
         quick=args.quick, tiny=tiny, compile_sweep=args.compile_sweep, max_seconds=args.max_seconds, timing=timing,
     )
     print(f"measuring hardware ceilings on {label} ...", file=sys.stderr, flush=True)
@@ -182,8 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     print(hw.describe(), flush=True)
     csv_path = out / "bench.csv"
     runner = harness.Runner(cfg, hw, csv_path=csv_path)
+    started = time.perf_counter()
     with overrides_in_force:
-        rows = harness.sort_rows(runner.run(specs), specs)
+        rows = runner.run(specs)
+    if UPSTREAM in args.peers:
+        left = max(30.0, args.max_seconds - (time.perf_counter() - started)) if args.max_seconds else 0.0
+        rows += peers.run_upstream_ops(args.upstream_path, cfg, hw, [s.name for s in specs],
+                                       log=lambda msg: print(msg, file=sys.stderr, flush=True), max_seconds=left)
+        peers.merge_speedups(rows)
+    rows = harness.sort_rows(rows, specs)
     harness.write_csv(rows, csv_path)  # the same rows, now sorted (it was written as they came)
 
     print(harness.format_table(rows))

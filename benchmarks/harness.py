@@ -74,6 +74,10 @@ PROVIDERS = ("liger", "hf_eager", "torch_compile")
 RUN_ORDER = ("hf_eager", "torch_compile", "liger")
 MIB = 2**20
 NAN = float("nan")
+# Optional providers (``benchmarks.peers`` registers them): name -> an object with ``ops``
+# (the op names it covers), ``version``, ``unavailable`` (why it cannot run here, "" if it
+# can; such cases are recorded as "skipped: <reason>") and ``build(spec) -> (fn, mutates)``.
+EXTRA_PROVIDERS: dict[str, Any] = {}
 
 COPY_BUFFER_BYTES = 4 * 2**30
 MATMUL_SIZE = 8192
@@ -509,6 +513,7 @@ class Row:
     transformers: str = ""
     python: str = ""
     date: str = ""
+    provider_version: str = ""  # the provider's package and version (peers: benchmarks.peers)
     dims: dict[str, int] = field(default_factory=dict)
     # (target label, measured value, passed or None when it cannot be judged); not a CSV column
     checks: list[tuple[str, str, bool | None]] = field(default_factory=list)
@@ -546,12 +551,19 @@ def write_csv(rows: Sequence[Row], path: Path, append: bool = False) -> None:
             writer.writerow(row.csv_dict())
 
 
+def _dist(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+# The distribution whose code each built-in provider runs (its version goes in the rows).
+BUILTIN_DISTRIBUTIONS = {"liger": "liger-kernel", "hf_eager": "torch", "torch_compile": "torch"}
+
+
 def versions() -> dict[str, str]:
-    def dist(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
+    dist = _dist
 
     import triton
 
@@ -611,7 +623,8 @@ class Runner:
             if self.cfg.quick:
                 shapes = shapes[:1]
             for i, shape in enumerate(shapes):
-                providers = tuple(p for p in RUN_ORDER if p in self.cfg.providers)
+                providers = tuple(p for p in RUN_ORDER if p in self.cfg.providers) + tuple(
+                    p for p, peer in EXTRA_PROVIDERS.items() if p in self.cfg.providers and spec.name in peer.ops)
                 if i > 0 and not self.cfg.compile_sweep:
                     # Compiling costs tens of seconds per shape; the sweeps compare with eager.
                     providers = tuple(p for p in providers if p != "torch_compile")
@@ -648,6 +661,9 @@ class Runner:
         if cfg.max_seconds and time.perf_counter() - self._t0 > cfg.max_seconds:
             return [self._row(unit, provider, m, "skipped: time limit") for m in cfg.modes]
         results: dict[str, tuple[str, Timing | None, float]] = {}
+        peer = EXTRA_PROVIDERS.get(provider)
+        if peer is not None and peer.unavailable:
+            return [self._row(unit, provider, m, f"skipped: {peer.unavailable}") for m in cfg.modes]
         try:
             fn, mutates = self._build(unit.spec, provider)
         except Exception as exc:  # a missing or broken kernel module must not stop the run
@@ -677,6 +693,8 @@ class Runner:
         return [self._row(unit, provider, m, *results[m]) for m in cfg.modes]
 
     def _build(self, spec: OpSpec, provider: str) -> tuple[Callable[..., Any], tuple]:
+        if provider in EXTRA_PROVIDERS:
+            return EXTRA_PROVIDERS[provider].build(spec)
         if provider == "liger":
             return spec.liger(), spec.liger_mutates
         if provider == "hf_eager":
@@ -728,6 +746,9 @@ class Runner:
             size=spec.size(unit.shape), copy_tb_s=hw.copy_bytes_per_s / 1e12,
             matmul_tflop_s=hw.matmul_flops_per_s / 1e12, device=hw.device, gpu_name=hw.name,
             date=self.date, dims=dict(unit.shape), **self.meta,
+            provider_version=getattr(EXTRA_PROVIDERS.get(provider), "version", "") or (
+                f"{BUILTIN_DISTRIBUTIONS[provider]} {_dist(BUILTIN_DISTRIBUTIONS[provider])}"
+                if provider in BUILTIN_DISTRIBUTIONS else ""),
         )
 
     def _judge(self, unit: _Unit, group: dict[str, list[Row]]) -> list[Row]:
@@ -840,8 +861,9 @@ def sort_rows(rows: Sequence[Row], specs: Sequence[OpSpec]) -> list[Row]:
     """Rows by op (in ``specs`` order), input size, mode and provider (the run order differs:
     target shapes of all ops come first there)."""
     op_rank = {s.name: i for i, s in enumerate(specs)}
+    ranks = {p: i for i, p in enumerate((*PROVIDERS, *EXTRA_PROVIDERS))}
     return sorted(rows, key=lambda r: (op_rank.get(r.op, len(op_rank)), r.size, r.shape, MODES.index(r.mode),
-                                       PROVIDERS.index(r.provider)))
+                                       ranks.get(r.provider, len(ranks)), r.provider))
 
 
 def format_table(rows: Sequence[Row]) -> str:

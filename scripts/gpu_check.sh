@@ -15,6 +15,24 @@
 #   GPU_CHECK_WORKERS (6)  xdist workers for all but the memory-hungry tests
 #   BENCH_ARGS    extra arguments for python -m benchmarks, e.g. "--quick --ops rope"
 #   E2E_ARGS      extra arguments for benchmarks/e2e_training.py
+#   E2E_RUNS      several e2e runs in one call, argument sets separated by ';' (replaces E2E_ARGS), e.g.
+#                 "--model qwen3-0.6b --variants all --skip-max-seq; --model gemma3-1b --variants all --skip-max-seq"
+#                 (each run writes e2e_<preset>.csv/.png; see benchmarks/e2e_training.py --help)
+#   GPU_CHECK_PEERS=0|1 (0)  peers in the same run (benchmarks/peers.py): install the wheels of
+#                 GPU_CHECK_WHEELS (default .whl/, an ignored folder: pass it in the device tool's carry)
+#                 offline: *.whl with pip --no-index --no-deps --target $TMPDIR/liger_peers (appended to
+#                 PYTHONPATH, after this checkout's src), upstream/*.whl (the upstream liger-kernel release)
+#                 into $TMPDIR/liger_upstream (its own directory, never on this process's path; children
+#                 import it from LIGER_UPSTREAM_PATH); then the benchmarks get --peers all and the e2e
+#                 runs may name the liger-upstream variant. A peer that is missing is reported as skipped.
+#   Examples, one device call each (wheels: run `scripts/gpu_check.sh` with .whl in the carry list):
+#     GPU_CHECK_TESTS=0 GPU_CHECK_E2E=0 GPU_CHECK_PEERS=1 BENCH_ARGS=--quick       kernels vs every peer
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--variants all --skip-max-seq"  llama-1b, 4 variants + floor
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--model qwen3-0.6b --variants all --skip-max-seq"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_RUNS="--model qwen3-moe --skip-max-seq; --model qwen2.5-vl-3b --skip-max-seq"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--seq 16384 --max-batch --variants hf,hf-compile,liger --skip-max-seq --steps 3 --warmup 1"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--variants hf,liger --grad-ckpt both --max-seq-limit 131072 --max-seq-budget 360 --steps 2 --warmup 1"
+#     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 GPU_CHECK_PEERS=1 E2E_ARGS="--variants hf,liger,liger-upstream --skip-max-seq"
 #   GPU_CHECK_INSTALL=0|1 (1)  pip install --no-deps --no-build-isolation -e . first (so
 #                 transformers' is_liger_kernel_available() sees the package); PYTHONPATH=src
 #                 is set either way, and is all there is when the install fails
@@ -125,6 +143,25 @@ except m.PackageNotFoundError:
     print('distribution liger-kernel not installed (transformers will not see it)')" 2>&1
 } >>"$out/env.txt"
 
+if [ "${GPU_CHECK_PEERS:-0}" = 1 ]; then
+  wheels=${GPU_CHECK_WHEELS:-$root/.whl}
+  peer_site=${TMPDIR:-/tmp}/liger_peers
+  upstream_site=${TMPDIR:-/tmp}/liger_upstream
+  {
+    echo "# peers: wheels from $wheels"
+    ls -la "$wheels" "$wheels/upstream" 2>&1
+    if compgen -G "$wheels/*.whl" >/dev/null; then
+      "$PY" -m pip install --no-index --no-deps --upgrade --target "$peer_site" "$wheels"/*.whl 2>&1 | tail -2
+      export PYTHONPATH="$PYTHONPATH:$peer_site"
+    fi
+    if compgen -G "$wheels/upstream/*.whl" >/dev/null; then
+      "$PY" -m pip install --no-index --no-deps --upgrade --target "$upstream_site" "$wheels"/upstream/*.whl 2>&1 | tail -2
+      export LIGER_UPSTREAM_PATH="$upstream_site"
+    fi
+  } >>"$out/env.txt" 2>&1
+  BENCH_ARGS="--peers all ${BENCH_ARGS:-}"
+fi
+
 status=0
 tests_rc=skipped bench_rc=skipped e2e_rc=skipped
 
@@ -170,9 +207,17 @@ if [ "$run_e2e" = 1 ]; then
     echo
     echo "=== $e2e_script ==="
   } >>"$out/bench.log"
-  # shellcheck disable=SC2086
-  with_timeout "$secs" "$PY" "$e2e_script" --out "$out" ${E2E_ARGS:-} >>"$out/bench.log" 2>&1
-  e2e_rc=$?
+  e2e_rc=0
+  IFS=';' read -r -a e2e_runs <<<"${E2E_RUNS:-${E2E_ARGS:-}}"
+  [ "${#e2e_runs[@]}" -gt 0 ] || e2e_runs=("")
+  for e2e_args in "${e2e_runs[@]}"; do
+    secs=$(stage_seconds e2e)
+    echo "--- e2e_training.py $e2e_args (up to ${secs}s)" >>"$out/bench.log"
+    # shellcheck disable=SC2086
+    with_timeout "$secs" "$PY" "$e2e_script" --out "$out" $e2e_args >>"$out/bench.log" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] || e2e_rc=$rc
+  done
   [ "$e2e_rc" = 0 ] || status=1
 fi
 
@@ -216,7 +261,13 @@ if [ "$run_bench" = 1 ]; then
 fi
 echo "e2e: exit $e2e_rc"
 if [ "$run_e2e" = 1 ]; then
-  awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" | tail -15
+  if [ -n "${E2E_RUNS:-}" ]; then
+    # Several runs: each run's header, per-variant figures and loss verdicts.
+    awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" |
+      grep -E '^--- e2e|tokens/s,|floor .* ms =|match|ERROR|Traceback|Error' | tail -80
+  else
+    awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" | tail -15
+  fi
 fi
 n_files=$(find "$out" -type f | wc -l)
 echo "files in $out ($n_files): $(find "$out" -type f -printf '%P ')"
