@@ -16,10 +16,9 @@ hand, because the interpreter's own conversion truncates; see ops/numerics.round
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import torch.nn.functional as F
 
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
@@ -430,7 +429,8 @@ def test_forward_hook_edits_the_output_in_place(in_place):
             module = _Norm(cast(w), lambda x, w: liger(x, w, EPS, 0.0, "llama", in_place))
         else:
             module = _Norm(cast(w), lambda x, w: exact_rms_norm(x, w, EPS, 0.0))
-        module.register_forward_hook(lambda m, args, out: out.add_(cast(steer)))
+        steering = cast(steer)
+        module.register_forward_hook(lambda m, args, out, s=steering: out.add_(s))
         xi = cast(x).requires_grad_(True)
         y = module(xi)
         (y * y).sum().backward()

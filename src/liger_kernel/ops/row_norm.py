@@ -124,18 +124,19 @@ class RowNormConfig(LaunchConfig):
         resident warps, prefetch) and, separately, the forward (tile, elements per thread)
         and the partials-sum tile, each around the heuristic's value of the others."""
         base = cls.heuristic(n_rows, n_cols, device, center)
-        for prefetch, tile, per_thread, warps in itertools.product(
-                (True, False), (4096, 8192, 16384), (8, 16, 32), (16, 32)):
-            yield dataclasses.replace(base, backward_prefetch=prefetch, backward_tile_elements=tile,
-                                      backward_elements_per_thread=per_thread, backward_warps_per_sm=warps)
-        for tile, per_thread in itertools.product((2048, 4096, 8192, 16384), (None, 8, 16, 32, 64, 128)):
-            yield dataclasses.replace(base, tile_elements=tile, forward_elements_per_thread=per_thread)
-        for block in (1024, 2048):
-            yield dataclasses.replace(base, max_fused_block=block)
-        for accumulator in (True, False):
-            yield dataclasses.replace(base, backward_row_accumulator=accumulator)
-        for rows, cols in itertools.product((16, 64), (16, 32, 64)):
-            yield dataclasses.replace(base, partials_sum_block_rows=rows, partials_sum_block_cols=cols)
+        candidates = [
+            *(dataclasses.replace(base, backward_prefetch=prefetch, backward_tile_elements=tile,
+                                  backward_elements_per_thread=per_thread, backward_warps_per_sm=warps)
+              for prefetch, tile, per_thread, warps in itertools.product(
+                  (True, False), (4096, 8192, 16384), (8, 16, 32), (16, 32))),
+            *(dataclasses.replace(base, tile_elements=tile, forward_elements_per_thread=per_thread)
+              for tile, per_thread in itertools.product((2048, 4096, 8192, 16384), (None, 8, 16, 32, 64, 128))),
+            *(dataclasses.replace(base, max_fused_block=block) for block in (1024, 2048)),
+            *(dataclasses.replace(base, backward_row_accumulator=accumulator) for accumulator in (True, False)),
+            *(dataclasses.replace(base, partials_sum_block_rows=rows, partials_sum_block_cols=cols)
+              for rows, cols in itertools.product((16, 64), (16, 32, 64))),
+        ]
+        return iter(dict.fromkeys(candidates))  # each once, in order
 
 
 _DEFAULT = RowNormConfig()
