@@ -366,7 +366,7 @@ def test_backward_launch_variants(n_rows, hidden, prefetch, backward_tile):
 @pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 4096), (1000 + 7, 64)])
 def test_forward_warps_change_only_the_summation_order(n_rows, hidden, elements_per_thread):
     """RowNormConfig.forward_elements_per_thread picks the forward's warps. Other warps sum a
-    row's squares in another order, so rstd may move by an fp32 ulp (seen on the H200) and y
+    row's squares in another order, so rstd may move by an fp32 ulp (on a GPU) and y
     by one rounding of its dtype; nothing more."""
     x, w, _ = make_inputs(n_rows, hidden, torch.bfloat16)
     y_default, rstd_default = rms_norm_forward(x, w, EPS, 0.0, "llama")

@@ -54,7 +54,7 @@ def row_launch_settings(n_cols: int, max_block: int | None = None) -> tuple[int,
     """Return ``(BLOCK_SIZE, num_warps)`` for a kernel that walks a row of ``n_cols`` elements.
 
     ``BLOCK_SIZE`` is the next power of two of ``n_cols`` capped at ``max_block`` (default:
-    :data:`MAX_FUSED_BLOCK`, read at call time so that the tunable takes effect); a kernel
+    :data:`MAX_FUSED_BLOCK`; the row norms pass their configuration's); a kernel
     whose block is smaller than the row loops over the row in ``BLOCK_SIZE`` chunks.
     ``num_warps`` grows with the block so each thread holds a handful of 16-byte vectors.
     """
@@ -109,8 +109,8 @@ def next_power_of_2(n: int) -> int:
 # knobs, specialises every argument, builds a string cache key and looks the compiled kernel
 # up. A training step launches the same few kernels with the same argument properties
 # hundreds of times, and when the GPU outpaces Python that host time shows as GPU idle time
-# (H200, llama-1b: ~11 ms idle per step in the forward). ``launch_kernel`` does Triton's lookup once
-# per distinct specialisation and afterwards calls the compiled kernel's launcher directly.
+# (docs/performance.md has the figure). ``launch_kernel`` does Triton's lookup once per distinct
+# specialisation and afterwards calls the compiled kernel's launcher directly.
 # --------------------------------------------------------------------------------------
 
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
