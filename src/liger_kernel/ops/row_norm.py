@@ -108,6 +108,13 @@ class RowNormConfig(LaunchConfig):
     partials_sum_block_rows: int = 64
     partials_sum_block_cols: int = 16
 
+    def __post_init__(self) -> None:
+        # The geometry memo hashes the configuration on every launch: hash the fields once.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @classmethod
     def heuristic(cls, n_rows: int, n_cols: int, device: torch.device | None = None,
                   center: bool = False) -> RowNormConfig:
