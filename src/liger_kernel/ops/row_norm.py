@@ -127,9 +127,10 @@ class RowNormConfig(LaunchConfig):
     @classmethod
     def search_space(cls, n_rows: int, n_cols: int, device: torch.device | None = None,
                      center: bool = False) -> Iterator[RowNormConfig]:
-        """What ``python -m benchmarks.tune`` times: the backward (tile, elements per thread,
-        resident warps, prefetch) and, separately, the forward (tile, elements per thread)
-        and the partials-sum tile, each around the heuristic's value of the others."""
+        """What ``python -m benchmarks.tune`` times, each group around the heuristic's values
+        of the other fields: the backward (tile, elements per thread, resident warps,
+        prefetch), the forward (tile, elements per thread), the column-block width, the dW
+        accumulation and the partials-sum tile."""
         base = cls.heuristic(n_rows, n_cols, device, center)
         candidates = [
             *(dataclasses.replace(base, backward_prefetch=prefetch, backward_tile_elements=tile,
