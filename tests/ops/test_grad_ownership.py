@@ -140,9 +140,9 @@ def test_norm_backward_with_its_output_added_to_a_residual_stream(norm):
 def test_norm_backward_without_storage_use_count_writes_nothing_in_place(norm, monkeypatch):
     """A torch without ``torch._C._storage_Use_Count`` cannot tell a detached alias apart:
     calibration gives up, and the in-place backward then allocates dx instead of failing."""
-    import liger_kernel.ops.grad_ownership as ops_utils
+    import liger_kernel.ops.grad_ownership as grad_ownership
 
     monkeypatch.delattr(torch._C, "_storage_Use_Count")
-    assert ops_utils._calibrate_owned_grad_references() is None
-    monkeypatch.setattr(ops_utils, "_OWNED_GRAD_REFERENCES", None)
+    assert grad_ownership._calibrate_owned_grad_references() is None
+    monkeypatch.setattr(grad_ownership, "_OWNED_GRAD_REFERENCES", None)
     assert norm_into_projection(norm) == {True: False, False: False}

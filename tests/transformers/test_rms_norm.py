@@ -13,7 +13,7 @@ import torch
 
 from liger_kernel.transformers.rms_norm import LigerRMSNorm, liger_rms_norm
 from tests.transformers.model_configs import MODEL_TYPES, VOCAB, build_model, random_batch
-from tests.utils import DEVICE, assert_close, grad_ownership_report
+from tests.utils import DEVICE, assert_close, forward_backward_with_output_edit, grad_ownership_report
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
@@ -173,15 +173,7 @@ def test_output_edited_in_place_like_hf(edit, in_place):
             module.in_place = in_place
         with torch.no_grad():
             module.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
-        if edit == "hook":
-            module.register_forward_hook(lambda m, args, out: out.add_(steer))
-        xi = x.clone().requires_grad_(True)
-        y = module(xi)
-        if edit == "dropout":
-            torch.manual_seed(0)
-            torch.nn.functional.dropout(y, p=0.5, training=True, inplace=True)
-        (y * 1).backward(dy)
-        results.append((y.detach(), xi.grad, module.weight.grad))
+        results.append((*forward_backward_with_output_edit(module, x, dy, edit, steer), module.weight.grad))
     for name, ours, ref in zip(("y", "dx", "dw"), *results):
         assert_close(ours, ref, scale=4, msg=name)
 
