@@ -1,9 +1,9 @@
 """``python -m benchmarks.tune``: sweep the kernels' launch tunables at the target shapes.
 
-Each op keeps its launch parameters as a frozen configuration (``CrossEntropyConfig``,
-``FusedLinearCrossEntropyConfig``, ...; ops not yet converted: module-level constants such as
-``ROW_NORM_*``, ``ROPE_*``). This script puts each candidate in force in turn
-(``override_launch_config``, or the constant), times the Liger op (forward + backward, median, L2 flushed) with the same
+Each op keeps its launch parameters as a frozen configuration (``LaunchConfig`` subclasses such
+as ``ops.row_norm.RowNormConfig``, ``ops.cross_entropy.CrossEntropyConfig``,
+``ops.rope.RopeConfig``), whose ``search_space`` lists the candidates. This script puts each
+candidate in force in turn (``override_launch_config``), times the Liger op (forward + backward, median, L2 flushed) with the same
 harness as ``python -m benchmarks``, records peak extra memory, and writes ``tune.csv``
 with one row per (op, setting). The numbers decide the committed defaults; the tunables
 change the schedule only, never the result (the test suite checks several of them).
@@ -24,7 +24,7 @@ import functools
 import itertools
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +49,19 @@ def _set(module: Any, values: dict[str, Any]) -> dict[str, Any]:
     return old
 
 
+def _is_config(target: Any) -> bool:
+    return isinstance(target, type) and issubclass(target, LaunchConfig)
+
+
 @contextlib.contextmanager
-def _applied(target: Any, setting: dict[str, Any]):
-    """``setting`` in force within the block: fields of a LaunchConfig class (through
-    ``override_launch_config``) or attributes of a module."""
-    if isinstance(target, type) and issubclass(target, LaunchConfig):
-        with override_launch_config(target, **setting):
+def _applied(target: Any, values: dict[str, Any]) -> Iterator[None]:
+    """``values`` in effect within the block: fields of a launch configuration class (through
+    ``override_launch_config``) or module attributes (set, then restored)."""
+    if _is_config(target):
+        with override_launch_config(target, **values):
             yield
         return
-    old = _set(target, setting)
+    old = _set(target, values)
     try:
         yield
     finally:
@@ -68,6 +72,12 @@ def _config_candidates(config_cls: type[LaunchConfig], *problem: int) -> list[di
     """The fields of each configuration ``config_cls.search_space(*problem)`` proposes."""
     return [dataclasses.asdict(config) for config in config_cls.search_space(*problem)]
 
+
+
+def _differences(candidates: Iterable[LaunchConfig], base: LaunchConfig) -> list[dict[str, Any]]:
+    """Each candidate as the fields in which it differs from ``base`` (an empty dict: ``base``)."""
+    return [{f.name: getattr(c, f.name) for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(base, f.name)}
+            for c in candidates]
 
 
 def _measure(spec, shape: dict[str, int], dtype: torch.dtype, device: torch.device,
@@ -108,7 +118,7 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[st
             ms, peak, status = float("nan"), float("nan"), "oom"
         except Exception as exc:  # a setting may exceed a resource limit; record, go on
             ms, peak, status = float("nan"), float("nan"), f"error: {type(exc).__name__}: {str(exc)[:120]}"
-        text = " ".join(f"{k}={v}" for k, v in setting.items())
+        text = " ".join(f"{k}={v}" for k, v in setting.items()) or "(heuristic)"
         if mode != "full":
             text = f"[{mode}] {text}"
         print(f"{name} {text}: {ms:.4f} ms, peak {peak:.1f} MiB ({status})", flush=True)
@@ -116,7 +126,7 @@ def _sweep(name: str, module: Any, grid: dict[str, Iterable[Any]] | list[dict[st
                          "status": status})
         if status == "ok" and (best is None or ms < best[0]):
             best = (ms, setting)
-    prefix = f"{module.__module__}.{module.__qualname__}" if isinstance(module, type) else module.__name__
+    prefix = f"{module.__module__}.{module.__name__}" if _is_config(module) else module.__name__
     return None if best is None else {f"{prefix}.{k}": v for k, v in best[1].items()}
 
 
@@ -246,23 +256,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,flce,"
-                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,norm_forward,norm_forward_looped,norm_forward_warps,norm_forward_rows,layer_norm_forward,"
-                                              "norm_backward,norm_partials,norm_accumulator,norm_reductions,rope,swiglu,geglu "
+                                              "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,"
+                                              "rope,swiglu,geglu "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
     p.add_argument("--emit-best", type=Path, default=None,
-                   help="write the fastest setting of each swept op (except the fused linear cross entropy, "
-                        "whose chunk size trades time for memory, and the ops with a LaunchConfig, whose "
-                        "winner is a per-shape geometry) as MODULE.NAME=VALUE lines, for "
-                        "`python -m benchmarks --set`")
+                   help="write the fastest cross-entropy and RMSNorm configurations as "
+                        "MODULE.ConfigClass.field=VALUE lines, for `python -m benchmarks --set`")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.tune needs a CUDA GPU", file=sys.stderr)
         return 2
     import liger_kernel.ops.cross_entropy as ce_ops
     import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
-    import liger_kernel.ops.row_norm as ops_utils
     from liger_kernel.ops.rope import RopeConfig
+    from liger_kernel.ops.row_norm import RowNormConfig
     from liger_kernel.ops.swiglu import GatedActivationConfig
 
     device = torch.device("cuda")
@@ -285,98 +293,22 @@ def main(argv: list[str] | None = None) -> int:
         def want(name: str) -> bool:
             return not only or name in only
 
-        if want("rms_norm"):
-            spec = specs["rms_norm"]
-            bests["rms_norm"] = _sweep("rms_norm", ops_utils, {
-                "ROW_NORM_BACKWARD_PREFETCH": (True, False),
-                "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192, 16384),
-                "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (4, 8, 16),
-                "ROW_NORM_WARPS_PER_SM": (32, 64),
-            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
-        if want("layer_norm"):
-            spec = specs["layer_norm"]
-            bests["layer_norm"] = _sweep("layer_norm", ops_utils, {
-                "ROW_NORM_BACKWARD_PREFETCH": (True, False),
-                "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
-                "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (4, 8),
-            }, spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
-        if want("norm_forward"):
-            # Forward tiles (one program per tile; rows narrower than the tile are packed).
-            for op in ("rms_norm", "layer_norm"):
-                spec = specs[op]
-                _sweep(op, ops_utils, {"ROW_NORM_TILE_ELEMENTS": (2048, 4096, 8192, 16384)},
-                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
-        if want("norm_forward_warps"):
-            # Forward warps per 4096-element tile (None: row_launch_settings' 8 warps).
-            for op, name in (("rms_norm", "ROW_NORM_FORWARD_ELEMENTS_PER_THREAD"),
-                             ("layer_norm", "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD")):
-                spec = specs[op]
-                _sweep(op, ops_utils, {name: (None, 8, 32, 64)},
-                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
-        if want("layer_norm_forward"):
-            # LayerNorm forward: rows per tile (the tile is shared with RMSNorm) by elements per thread.
-            # (Raw-moment statistics, sum(x) and sum(x^2) with a centred fallback, were measured in
-            # run 7: slower at 4, 8 and 16 warps; removed, commit 1888e99. Run 8 measured unmasked
-            # tiles, X loads with ".cg" and ptxas register caps: none faster; see NOTES.md.)
-            spec = specs["layer_norm"]
-            _sweep("layer_norm", ops_utils, {"ROW_NORM_TILE_ELEMENTS": (4096, 8192),
-                                             "ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD": (16, 32, 64, 128)},
-                   spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
-        if want("norm_forward_looped"):
-            # Rows of 4096 walked in column blocks (two passes, the second from L2) instead of
-            # one register-resident tile: far fewer registers a program, more rows in flight.
-            for _ in range(2):
-                for op in ("layer_norm", "rms_norm"):
-                    spec = specs[op]
-                    _sweep(op, ops_utils, {"MAX_FUSED_BLOCK": (8192, 2048, 1024)},
-                           spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline, mode="forward")
-        if want("norm_forward_rows"):
-            # Wave quantisation: 16384 rows are 15.5 waves of 132 SMs x 8 programs (LayerNorm,
-            # 4 warps) but 20.7 waves of 132 x 6 (RMSNorm, 8 warps). Rows that fill whole waves
-            # of both (15840 = 132 x 120) against the target and 16896 (= 132 x 128): a time
-            # per row that drops at 15840 says the last partial wave costs. (Session 9: it does
-            # not: LayerNorm 4.43, 4.44, 4.40 ns a row. Forward rows re-read from L1 instead of
-            # held in registers across the reductions, also measured then, gained nothing.)
-            for _ in range(3):
-                for rows in (15840, 16384, 16896):
-                    for op in ("layer_norm", "rms_norm"):
-                        _sweep(f"{op} N={rows} H=4096", ops_utils, [{}], specs[op], {"N": rows, "H": 4096},
-                               dtype, device, cfg, writer, deadline, mode="forward")
-        if want("norm_backward"):
-            # Backward tile, elements per thread and resident warps, for each norm (full mode),
-            # at the target shape and the llama-1b e2e shape.
-            for op in ("rms_norm", "layer_norm"):
-                spec = specs[op]
-                for shape in spec.gpu_shapes[:2]:
-                    _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils, {
-                        "ROW_NORM_BACKWARD_TILE_ELEMENTS": (4096, 8192),
-                        "ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD": (16, 32),
-                        "ROW_NORM_WARPS_PER_SM": (16, 32),
-                    }, spec, shape, dtype, device, cfg, writer, deadline)
-        if want("norm_partials"):
-            # Tile of the partials-sum launch (its grid is one program per column block).
-            for op in ("rms_norm", "layer_norm"):
-                spec = specs[op]
-                _sweep(op, ops_utils, {"PARTIALS_SUM_BLOCK_COLS": (16, 32, 64), "PARTIALS_SUM_BLOCK_ROWS": (16, 64)},
-                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
-        if want("norm_reductions"):
-            # The partials sum (one Triton launch vs torch's sum + cast per parameter), at the
-            # target and the llama-1b e2e shapes. (LayerNorm's two backward row sums as one
-            # two-value tl.reduce were measured in run 6 too: 0.221 vs 0.193 ms; removed.)
-            for op in ("rms_norm", "layer_norm"):
-                spec = specs[op]
-                for shape in spec.gpu_shapes[:2]:
-                    _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils,
-                           {"ROW_NORM_TRITON_PARTIALS_SUM": (True, False)},
-                           spec, shape, dtype, device, cfg, writer, deadline)
-        if want("norm_accumulator"):
-            # The backward's dW accumulation for multi-row tiles (None: chosen per shape).
-            for op in ("rms_norm", "layer_norm"):
-                spec = specs[op]
-                for shape in spec.gpu_shapes[:2]:
-                    _sweep(f"{op} N={shape['N']} H={shape['H']}", ops_utils,
-                           {"ROW_NORM_BACKWARD_ROW_ACCUMULATOR": (None, True, False)},
-                           spec, shape, dtype, device, cfg, writer, deadline)
+        for op in ("rms_norm", "layer_norm"):
+            # The row-norm launch configuration's search space (backward tile, elements per
+            # thread, resident warps, prefetch; forward tile and warps; column-block width;
+            # dW accumulation; partials-sum tile), at the target and the llama-1b e2e shapes.
+            if not want(op):
+                continue
+            spec = specs[op]
+            for i, shape in enumerate(spec.gpu_shapes[:2]):
+                n_rows, n_cols = shape["N"], shape["H"]
+                center = op == "layer_norm"
+                base = RowNormConfig.heuristic(n_rows, n_cols, device, center)
+                best = _sweep(f"{op} N={n_rows} H={n_cols}", RowNormConfig,
+                              _differences(RowNormConfig.search_space(n_rows, n_cols, device, center), base),
+                              spec, shape, dtype, device, cfg, writer, deadline)
+                if i == 0:
+                    bests[op] = best
         if want("cross_entropy_grid"):
             # Fewer rows in flight than one per SM: does pass 2's re-read start hitting L2?
             spec = specs["cross_entropy"]
@@ -417,14 +349,18 @@ def main(argv: list[str] | None = None) -> int:
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
     print(f"CSV: {args.out / 'tune.csv'}")
     if args.emit_best is not None:
-        # rms_norm and layer_norm share the ROW_NORM_* tunables: RMSNorm's sweep decides them.
+        # Configuration fields as `python -m benchmarks --set` lines.
         lines = {}
-        # RoPE's and the gated activations' winners are launch geometries for the swept shape,
-        # not values for ``--set``: they are printed above and belong in the heuristic.
-        for op in ("layer_norm", "rms_norm", "cross_entropy"):
+        # Per-shape geometries (RoPE, gated activations) and LayerNorm's share of RowNormConfig
+        # are printed, not emitted: they belong in the heuristics.
+        for op in ("cross_entropy", "rms_norm"):
             lines.update(bests.get(op) or {})
         args.emit_best.write_text("".join(f"{k}={v!r}\n" for k, v in lines.items()))
         print("best: " + ", ".join(f"{k}={v!r}" for k, v in lines.items()))
+        for op in ("rms_norm", "layer_norm"):
+            if bests.get(op) is not None:
+                print(f"best {op} configuration: " + (", ".join(f"{k}={v!r}" for k, v in bests[op].items())
+                                                      or "the heuristic"))
     return 0
 
 

@@ -32,7 +32,7 @@ _POINTER = "*bf16"
 
 def _cases(cols: int) -> dict[str, tuple]:
     """case -> (kernel, signature, constexprs, names of args divisible by 16)."""
-    from liger_kernel.ops import swiglu, utils
+    from liger_kernel.ops import row_norm, swiglu
 
     norm_signature = {"X": _POINTER, "W": _POINTER, "B": _POINTER, "Y": _POINTER, "MEAN": "*fp32",
                       "RSTD": "*fp32", "n_rows": "i32", "n_cols": "i32", "x_row_stride": "i32",
@@ -40,8 +40,8 @@ def _cases(cols: int) -> dict[str, tuple]:
     norm_divisible = ("X", "W", "B", "Y", "MEAN", "RSTD", "n_cols", "x_row_stride", "y_row_stride")
 
     # Tile shapes from the library's own launch heuristics for 16384 rows on the H200's 132 SMs
-    # (the warps are the --warps asked for; the last argument only keys the heuristic's memo).
-    norm_launch = utils._row_norm_launch(16384, cols, 132, None, ("kernel_registers",))
+    # (the warps are the --warps asked for).
+    norm_launch = row_norm._row_norm_launch(16384, cols, 132, row_norm.RowNormConfig.heuristic(16384, cols))
 
     def norm(center: bool) -> dict:
         return {"CENTER": center, "HAS_BIAS": center, "CASTING": 2 if center else 1, "FUSED": norm_launch.fused,
@@ -53,8 +53,8 @@ def _cases(cols: int) -> dict[str, tuple]:
     gated = {"ACTIVATION": 0, "BLOCK_ROWS": gated_launch.block_rows, "BLOCK_COLS": gated_launch.block_cols,
              "ROUND_BY_HAND": False}
     return {
-        "rms_norm_forward": (utils.row_norm_forward_kernel, norm_signature, norm(False), norm_divisible),
-        "layer_norm_forward": (utils.row_norm_forward_kernel, norm_signature, norm(True), norm_divisible),
+        "rms_norm_forward": (row_norm.row_norm_forward_kernel, norm_signature, norm(False), norm_divisible),
+        "layer_norm_forward": (row_norm.row_norm_forward_kernel, norm_signature, norm(True), norm_divisible),
         "swiglu_forward": (swiglu.gated_activation_forward_kernel, gated_signature, gated,
                            ("A", "B", "H", "n_cols", "a_row_stride", "b_row_stride", "h_row_stride")),
     }

@@ -121,3 +121,22 @@ def grad_ownership_report(run) -> str:
 
     return (f"counts (refs, base refs, storage users) {recorded_ownership_counts(run)}; "
             f"limits {ops_utils._OWNED_GRAD_REFERENCES}; compiling {torch.compiler.is_compiling()}")
+
+
+def forward_backward_with_output_edit(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, edit: str,
+                                      steer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, dx)`` of ``module(x)`` whose output is edited in place before the backward (with
+    ``dy``): ``edit`` "hook" adds ``steer`` in a forward hook (activation steering), "dropout"
+    applies an in-place dropout (the same mask for every module: a fixed seed)."""
+    handle = module.register_forward_hook(lambda m, args, out: out.add_(steer)) if edit == "hook" else None
+    try:
+        x = x.clone().requires_grad_(True)
+        y = module(x)
+    finally:
+        if handle is not None:
+            handle.remove()
+    if edit == "dropout":
+        torch.manual_seed(0)
+        torch.nn.functional.dropout(y, p=0.5, training=True, inplace=True)
+    (y * 1).backward(dy)
+    return y.detach(), x.grad

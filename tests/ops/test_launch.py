@@ -242,3 +242,12 @@ def test_cached_launch_defers_to_triton(stand_in, monkeypatch):
         launch_kernel(kernel, (1,), x, "text", 0.5, BLOCK=32)
     launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32)
     assert len(triton_calls) == 4 and len(compiled.direct_calls) == 1
+
+
+def test_next_power_of_2_matches_triton():
+    import triton
+
+    from liger_kernel.ops.launch import next_power_of_2
+
+    for n in [*range(0, 300), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n

@@ -13,13 +13,16 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liger_kernel.ops.launch import MAX_FUSED_BLOCK
+from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+from liger_kernel.ops.row_norm import RowNormConfig
 from tests.utils import DEVICE, TOLERANCES, assert_close, rel_error, shapes
 
+# A row wider than the widest register tile, so the column-block loop runs on the CPU too.
+WIDE = RowNormConfig().max_fused_block + 8
 SHAPES = shapes(
     small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (1, 1027), (3, 1027), (37, 1027),
-           (2, MAX_FUSED_BLOCK + 8)],
+           (2, WIDE)],
     full=[(1007, 1), (1, 4231), (3, 4231), (1007, 123), (1007, 4231), (64, 4096), (4, 65536), (3, 65536 + 7)],
 )
 EPS = 1e-5
@@ -95,7 +98,7 @@ def test_fp32_matches_float64(n_rows, hidden, bias, fn):
     check_fp32(ours, truth, n_rows)
 
 
-@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(5, 123), (2, MAX_FUSED_BLOCK + 8)],
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(5, 123), (2, WIDE)],
                                                   full=[(64, 4231), (4, 65536)]))
 def test_large_mean_is_stable(n_rows, hidden):
     """Rows with mean 1000x their spread: the variance must come from centred values.
@@ -114,7 +117,7 @@ def test_large_mean_is_stable(n_rows, hidden):
         assert ours_err <= max(2 * ref_err, 1e-4), f"{name}: error {ours_err:.3g} vs torch fp32's {ref_err:.3g}"
 
 
-@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, 1027), (2, MAX_FUSED_BLOCK + 8)],
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, 1027), (2, WIDE)],
                                                   full=[(1007, 4231), (64, 4096)]))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [True, False])
@@ -160,7 +163,7 @@ def test_4d_non_contiguous(bias):
     check_fp32(ours, truth, 30)
 
 
-@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, MAX_FUSED_BLOCK + 8)],
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, WIDE)],
                                                   full=[(4097, 4231), (33, 65536)]))
 def test_grads_deterministic(n_rows, hidden):
     x, w, b, dy = make_inputs(n_rows, hidden, torch.bfloat16)
@@ -170,7 +173,7 @@ def test_grads_deterministic(n_rows, hidden):
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("hidden", [1, 123, MAX_FUSED_BLOCK + 8])
+@pytest.mark.parametrize("hidden", [1, 123, WIDE])
 def test_constant_rows_are_finite(hidden):
     """Zero variance: rstd = 1/sqrt(eps), y = b, dx = (g - mean(g)) / sqrt(eps), dw = 0."""
     x = torch.full((3, hidden), 2.5, device=DEVICE)
@@ -185,7 +188,7 @@ def test_constant_rows_are_finite(hidden):
     assert_close(db, dy.sum(0), msg="db")
 
 
-@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, MAX_FUSED_BLOCK + 8)])
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, WIDE)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_empty_input(shape, bias):
     x = torch.randn(shape, device=DEVICE, requires_grad=True)
@@ -264,19 +267,14 @@ def test_property(lead, hidden, bias, shift, eps, dtype):
             assert_close(a, t, dtype=dtype, scale=scale, msg=name)
 
 
-@pytest.mark.parametrize("prefetch,triton_partials_sum", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("backward_tile", [1, 4096])
-@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 1027), (3, MAX_FUSED_BLOCK + 8)])
-def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backward_tile, triton_partials_sum):
-    """Backward prefetch, multi-row backward tiles and the two ways of summing the partials
-    change the schedule only, not the result."""
-    import liger_kernel.ops.row_norm as ops_utils
-
-    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_PREFETCH", prefetch)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_TILE_ELEMENTS", backward_tile)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_TRITON_PARTIALS_SUM", triton_partials_sum)
+@pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 1027), (3, WIDE)])
+def test_backward_launch_variants(n_rows, hidden, prefetch, backward_tile):
+    """Backward prefetch and multi-row backward tiles change the schedule only, not the result."""
     x, w, b, dy = make_inputs(n_rows, hidden, torch.float32, bias=True)
-    ours = run(liger, x, w, b, dy)
+    with override_launch_config(RowNormConfig, backward_prefetch=prefetch, backward_tile_elements=backward_tile):
+        ours = run(liger, x, w, b, dy)
     truth = run(torch_layer_norm, x.double(), w.double(), double(b), dy.double())
     check_fp32(ours, truth, n_rows)
 
@@ -341,3 +339,125 @@ def test_in_place_must_be_bool():
     x, w, b, _ = make_inputs(3, 8, torch.float32)
     with pytest.raises(TypeError, match="in_place"):
         LigerLayerNormFunction.apply(x, w, b, EPS, 1)
+
+
+# Rows whose elements are all equal (c = 1000.1 is not a "round" fp32 value: the fp32 sum of n
+# copies of it is not n * c). The truth, and torch in fp32, is exactly y == b, and dx == 0
+# where g = dy * w is constant along the row (nn.LayerNorm's initial w = 1 under y.sum()). The fused path (one
+# register tile) and the column-block path (a block narrower than the row) in every dtype.
+# (On the CPU the column-block path runs with 256-column blocks; the full set adds the
+# issue's H = 70000 with the default blocks.)
+CONSTANT_ROW_PATHS = dict(shapes(
+    small=[("fused_64", (64, None)), ("fused_1027", (1027, None)), ("blocked_1000", (1000, 256))],
+    full=[("blocked_70000", (70000, None))],
+))
+
+
+@pytest.mark.parametrize("path", sorted(CONSTANT_ROW_PATHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [1000.1, -3.3e-3])
+def test_constant_rows_match_torch(path, dtype, value):
+    hidden, block = CONSTANT_ROW_PATHS[path]
+    eps = 1e-6
+    x = torch.full((3, hidden), value, device=DEVICE).to(dtype)
+    w = (torch.randn(hidden, device=DEVICE) * 0.5 + 1.0).to(dtype)
+    b = torch.randn(hidden, device=DEVICE).to(dtype)
+    dy = torch.randn(3, hidden, device=DEVICE)
+    overrides = {} if block is None else {"max_fused_block": block}
+    with override_launch_config(RowNormConfig, **overrides):
+        y, dx, dw, db = run(liger, x, w, b, dy, eps)
+        ones = [torch.ones_like(t) for t in (w, x)]
+        _, dx_flat, _, _ = run(liger, x, ones[0], b, ones[1].float(), eps)
+    ref = run(torch_layer_norm, x, w, b, dy, eps)
+    assert torch.equal(y, b.expand_as(y))  # the float64 truth, and torch's fp32 result
+    assert torch.equal(dw, torch.zeros_like(dw))
+    assert torch.equal(dx_flat, torch.zeros_like(dx_flat))
+    # dx = rstd * (g - mean(g)) with rstd = 1/sqrt(eps): as torch's, to a rounding of dx.
+    g = dy.to(dtype).double() * w.double()  # the norm receives dy in its output dtype
+    assert_close(dx, ((g - g.mean(-1, keepdim=True)) / eps ** 0.5).to(dtype), dtype=dtype, scale=4, msg="dx")
+    assert_close(db, ref[3], dtype=dtype, scale=2, msg="db")
+
+
+@pytest.mark.parametrize("path", sorted(CONSTANT_ROW_PATHS))
+def test_near_constant_rows_match_torch(path):
+    """Rows within a few ulps of 1000.1 (spread ~1e-4 against eps 1e-6): x - mean must not carry
+    the ~ulp(1000) error of an fp32 mean, which rstd ~ 1e4 would amplify. The output must be
+    as close to the float64 truth as fp32 allows; the gradients within 2x of torch's fp32 error."""
+    hidden, block = CONSTANT_ROW_PATHS[path]
+    eps = 1e-6
+    c = torch.tensor(1000.1)
+    ulp = float(torch.nextafter(c, torch.tensor(2000.0)) - c)
+    x = (c + ulp * torch.randint(-3, 4, (3, hidden)).float()).to(DEVICE)
+    w, b, dy = torch.randn(hidden, device=DEVICE), torch.randn(hidden, device=DEVICE), torch.randn(3, hidden, device=DEVICE)
+    overrides = {} if block is None else {"max_fused_block": block}
+    with override_launch_config(RowNormConfig, **overrides):
+        ours = run(liger, x, w, b, dy, eps)
+    ref = run(torch_layer_norm, x, w, b, dy, eps)
+    truth = run(torch_layer_norm, x.double(), w.double(), b.double(), dy.double(), eps)
+    assert_close(ours[0], truth[0], dtype=torch.float32, scale=4, msg="y")
+    for name, a, r, t in zip(("dx", "dw", "db"), ours[1:], ref[1:], truth[1:]):
+        ours_err, ref_err = rel_error(a, t), rel_error(r, t)
+        assert ours_err <= max(2 * ref_err, 1e-4), f"{name}: error {ours_err:.3g} vs torch fp32's {ref_err:.3g}"
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("edit", ["mul_", "dropout", "hook"])
+@pytest.mark.parametrize("shape", [(2, 3, 37), (2, WIDE)])
+def test_output_edited_in_place(shape, edit, in_place):
+    """The output is an ordinary tensor, not a view of a private buffer: edits in place (also
+    by a forward hook on a module, as activation steering does) work forward and backward as
+    for torch's LayerNorm, with either backward."""
+    x, w, b, dy = make_inputs(shape[0] if len(shape) == 2 else 6, shape[-1], torch.float32)
+    x, dy = x.view(shape), dy.view(shape)
+    steer = torch.randn(shape[-1], device=DEVICE)
+    edits = {
+        "mul_": lambda y: y.mul_(2.0),
+        "dropout": lambda y: F.dropout(y, p=0.5, training=True, inplace=True),
+        "hook": lambda y: y.add_(steer.to(y.dtype)),
+    }
+    results = []
+    for norm, cast in ((lambda *a: LigerLayerNormFunction.apply(*a, in_place), lambda t: t.clone()),
+                       (torch_layer_norm, lambda t: t.double())):
+        module = torch.nn.Module()
+        module.weight, module.bias = (torch.nn.Parameter(cast(t)) for t in (w, b))
+        module.forward = lambda inp, m=module, norm=norm: norm(inp, m.weight, m.bias, EPS)
+        if edit == "hook":
+            module.register_forward_hook(lambda m, args, out: edits["hook"](out))
+        xi = cast(x).requires_grad_(True)
+        y = module(xi)
+        assert y._base is None
+        torch.manual_seed(0)  # the same dropout mask for both
+        if edit != "hook":
+            edits[edit](y)
+        (y * 1).backward(cast(dy))
+        results.append((y.detach(), xi.grad, module.weight.grad, module.bias.grad))
+    check_fp32(results[0], results[1], x.numel() // shape[-1])
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_meta_tensors(dtype, bias, in_place):
+    """Meta in, meta out (shape inference, meta-device models), forward and backward."""
+    x = torch.empty(2, 3, 40, device="meta", dtype=dtype, requires_grad=True)
+    w = torch.empty(40, device="meta", dtype=dtype, requires_grad=True)
+    b = torch.empty(40, device="meta", dtype=dtype, requires_grad=True) if bias else None
+    y = LigerLayerNormFunction.apply(x, w, b, EPS, in_place)
+    assert y.device.type == "meta" and y.shape == x.shape and y.dtype == dtype
+    (y * 1).sum().backward()
+    for t in (x, w, b):
+        if t is not None:
+            assert t.grad.device.type == "meta" and t.grad.shape == t.shape and t.grad.dtype == dtype
+
+
+def test_fake_tensors():
+    """Under a caller's FakeTensorMode (as torch.compile and torch.export trace) no kernel runs."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 7, 33, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(33, dtype=torch.bfloat16, requires_grad=True)
+        y = LigerLayerNormFunction.apply(x, w, w, EPS)
+        y.sum().backward()
+    assert isinstance(y, FakeTensor) and y.shape == x.shape and y.dtype == torch.bfloat16
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape

@@ -16,18 +16,21 @@ hand, because the interpreter's own conversion truncates; see ops/numerics.round
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liger_kernel.ops.launch import MAX_FUSED_BLOCK
+from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
+from liger_kernel.ops.row_norm import RowNormConfig, row_norm_launch
 from tests.utils import DEVICE, assert_close, rel_error, shapes, tolerance
 
-# (rows, hidden): odd widths, one row, a ragged last tile, and a row wider than
-# MAX_FUSED_BLOCK so the column-block loop runs on the CPU too.
+# A row wider than the widest register tile, so the column-block loop runs on the CPU too.
+WIDE = RowNormConfig().max_fused_block + 8
+# (rows, hidden): odd widths, one row, a ragged last tile, and a WIDE row.
 SHAPES = shapes(
     small=[(1, 1), (3, 1), (37, 1), (1, 123), (3, 123), (37, 123), (1, 1027), (3, 1027), (37, 1027),
-           (2, MAX_FUSED_BLOCK + 8)],
+           (2, WIDE)],
     full=[(1007, 1), (1, 4231), (3, 4231), (1007, 123), (1007, 4231), (64, 4096), (4, 65536), (3, 65536 + 7)],
 )
 MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("llama", 0.5)]
@@ -141,21 +144,19 @@ def assert_dx_close(dx, dx_ref, x, w, dy, offset):
 
 @pytest.mark.parametrize("row_accumulator", [True, False])
 @pytest.mark.parametrize("n_rows,hidden", [(37, 123), (1000 + 7, 64)])
-def test_backward_accumulators_agree(monkeypatch, n_rows, hidden, row_accumulator):
-    """Both dW accumulations of multi-row backward tiles (ROW_NORM_BACKWARD_ROW_ACCUMULATOR)."""
-    import liger_kernel.ops.row_norm as ops_utils
-
-    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_ROW_ACCUMULATOR", row_accumulator)
-    assert ops_utils.row_norm_launch(n_rows, hidden, torch.device(DEVICE)).backward_row_accumulator is row_accumulator
-    x, w, dy = make_inputs(n_rows, hidden, torch.float32)
-    _, dx, dw = run(liger, x, w, dy, EPS, 0.0, "llama", False)
+def test_backward_accumulators_agree(n_rows, hidden, row_accumulator):
+    """Both dW accumulations of multi-row backward tiles (RowNormConfig.backward_row_accumulator)."""
+    with override_launch_config(RowNormConfig, backward_row_accumulator=row_accumulator):
+        assert row_norm_launch(n_rows, hidden, torch.device(DEVICE)).backward_row_accumulator is row_accumulator
+        x, w, dy = make_inputs(n_rows, hidden, torch.float32)
+        _, dx, dw = run(liger, x, w, dy, EPS, 0.0, "llama", False)
     _, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, 0.0)
     assert_close(dx, dx_ref, scale=4, msg="dx")
     assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")
 
 
 @pytest.mark.parametrize("mode,offset", MODES)
-@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, 1027), (2, MAX_FUSED_BLOCK + 8)],
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, 1027), (2, WIDE)],
                                                   full=[(1007, 4231), (64, 4096)]))
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                            (torch.float16, torch.float16)])
@@ -257,7 +258,7 @@ def test_zero_hidden_size(shape):
 
 
 @pytest.mark.parametrize("mode,offset", MODES[:3])
-@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, MAX_FUSED_BLOCK + 8)],
+@pytest.mark.parametrize("n_rows,hidden", shapes(small=[(37, 123), (3, WIDE)],
                                                   full=[(4097, 4231), (33, 65536)]))
 def test_dw_deterministic(n_rows, hidden, mode, offset):
     x, w, dy = make_inputs(n_rows, hidden, torch.bfloat16, offset=offset)
@@ -267,7 +268,7 @@ def test_dw_deterministic(n_rows, hidden, mode, offset):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("hidden", [1, 123, MAX_FUSED_BLOCK + 8])
+@pytest.mark.parametrize("hidden", [1, 123, WIDE])
 @pytest.mark.parametrize("mode,offset", MODES[:3])
 def test_zero_rows_are_finite(hidden, mode, offset):
     x = torch.zeros(3, hidden, device=DEVICE)
@@ -281,7 +282,7 @@ def test_zero_rows_are_finite(hidden, mode, offset):
     assert torch.all(dw == 0)
 
 
-@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, MAX_FUSED_BLOCK + 8)])
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, WIDE)])
 def test_empty_input(shape):
     x = torch.randn(shape, device=DEVICE, requires_grad=True)
     w = torch.randn(shape[-1], device=DEVICE, requires_grad=True)
@@ -346,20 +347,16 @@ def test_property(lead, hidden, mode, offset, in_place, eps, dtype):
     assert_close(dw, dw_ref, dtype=dtype, scale=4, msg="dw")
 
 
-@pytest.mark.parametrize("prefetch,triton_partials_sum", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("backward_tile", [1, 4096])
 @pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 1027), (1, 64)])
-def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backward_tile, triton_partials_sum):
-    """The backward's tunables change only the schedule, never the result: prefetch on and off,
-    one row per tile and several (with a ragged last tile), the partial dW summed by the
-    Triton kernel or by torch, all against float64 truth."""
-    import liger_kernel.ops.row_norm as ops_utils
-
-    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_PREFETCH", prefetch)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_BACKWARD_TILE_ELEMENTS", backward_tile)
-    monkeypatch.setattr(ops_utils, "ROW_NORM_TRITON_PARTIALS_SUM", triton_partials_sum)
+def test_backward_launch_variants(n_rows, hidden, prefetch, backward_tile):
+    """The backward's launch configuration changes only the schedule, never the result:
+    prefetch on and off, one row per tile and several (with a ragged last tile), against
+    float64 truth."""
     x, w, dy = make_inputs(n_rows, hidden, torch.float32)
-    _, dx, dw = run(liger, x, w, dy, EPS, 0.0, "llama", True)
+    with override_launch_config(RowNormConfig, backward_prefetch=prefetch, backward_tile_elements=backward_tile):
+        _, dx, dw = run(liger, x, w, dy, EPS, 0.0, "llama", True)
     _, dx_ref, dw_ref = run(exact_rms_norm, x.double(), w.double(), dy.double(), EPS, 0.0)
     assert_close(dx, dx_ref, scale=4, msg="dx")
     assert_close(dw, dw_ref, scale=max(4, n_rows ** 0.5), msg="dw")
@@ -367,16 +364,104 @@ def test_backward_launch_variants(monkeypatch, n_rows, hidden, prefetch, backwar
 
 @pytest.mark.parametrize("elements_per_thread", [None, 4, 32])
 @pytest.mark.parametrize("n_rows,hidden", [(37, 123), (5, 4096), (1000 + 7, 64)])
-def test_forward_warps_change_only_the_summation_order(monkeypatch, n_rows, hidden, elements_per_thread):
-    """ROW_NORM_FORWARD_ELEMENTS_PER_THREAD picks the forward's warps. Other warps sum a row's
-    squares in another order, so rstd may move by an fp32 ulp (seen on the H200) and y by
-    one rounding of its dtype; nothing more."""
-    import liger_kernel.ops.row_norm as ops_utils
-    from liger_kernel.ops.rms_norm import rms_norm_forward
-
+def test_forward_warps_change_only_the_summation_order(n_rows, hidden, elements_per_thread):
+    """RowNormConfig.forward_elements_per_thread picks the forward's warps. Other warps sum a
+    row's squares in another order, so rstd may move by an fp32 ulp (on a GPU) and y
+    by one rounding of its dtype; nothing more."""
     x, w, _ = make_inputs(n_rows, hidden, torch.bfloat16)
     y_default, rstd_default = rms_norm_forward(x, w, EPS, 0.0, "llama")
-    monkeypatch.setattr(ops_utils, "ROW_NORM_FORWARD_ELEMENTS_PER_THREAD", elements_per_thread)
-    y, rstd = rms_norm_forward(x, w, EPS, 0.0, "llama")
+    with override_launch_config(RowNormConfig, forward_elements_per_thread=elements_per_thread):
+        y, rstd = rms_norm_forward(x, w, EPS, 0.0, "llama")
     torch.testing.assert_close(rstd, rstd_default, rtol=4 * 2.0**-24, atol=0)
     torch.testing.assert_close(y.float(), y_default.float(), rtol=2.0**-7, atol=0)  # one bf16 ulp
+
+
+# The output is an ordinary tensor (not a view of a private buffer): whatever a user does
+# with HF's output in place works, forward and backward, with either backward.
+IN_PLACE_EDITS = {
+    "mul_": lambda y: y.mul_(2.0),
+    "dropout": lambda y: F.dropout(y, p=0.5, training=True, inplace=True),
+    "add_": lambda y: y.add_(1.0),
+}
+
+
+class _Norm(torch.nn.Module):
+    """A norm module: ``norm(x, self.weight)``."""
+
+    def __init__(self, weight, norm):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x, self.weight)
+
+
+@pytest.mark.parametrize("edit", sorted(IN_PLACE_EDITS))
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("shape", [(2, 3, 37), (5, 64), (2, WIDE)])
+def test_output_edited_in_place(shape, in_place, edit):
+    x = torch.randn(shape, device=DEVICE)
+    w = torch.randn(shape[-1], device=DEVICE)
+    dy = torch.randn(shape, device=DEVICE)
+    results = []
+    for fn, cast in ((liger, lambda t: t.clone()), (exact_rms_norm, lambda t: t.double())):
+        xi, wi = cast(x).requires_grad_(True), cast(w).requires_grad_(True)
+        y = fn(xi, wi, EPS, 0.0, "llama", in_place) if fn is liger else fn(xi, wi, EPS, 0.0)
+        assert y._base is None
+        torch.manual_seed(0)  # the same dropout mask for both
+        IN_PLACE_EDITS[edit](y)
+        (y * 1).backward(cast(dy))
+        results.append((y.detach(), xi.grad, wi.grad))
+    for name, ours, truth in zip(("y", "dx", "dw"), *results):
+        assert_close(ours, truth, scale=4, msg=name)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_forward_hook_edits_the_output_in_place(in_place):
+    """A forward hook that edits a norm module's output in place (activation steering)."""
+    x = torch.randn(2, 5, 64, device=DEVICE)
+    w = torch.randn(64, device=DEVICE)
+    steer = torch.randn(64, device=DEVICE)
+    results = []
+    for fn, cast in ((liger, lambda t: t.clone()), (exact_rms_norm, lambda t: t.double())):
+        if fn is liger:
+            module = _Norm(cast(w), lambda x, w: liger(x, w, EPS, 0.0, "llama", in_place))
+        else:
+            module = _Norm(cast(w), lambda x, w: exact_rms_norm(x, w, EPS, 0.0))
+        steering = cast(steer)
+        module.register_forward_hook(lambda m, args, out, s=steering: out.add_(s))
+        xi = cast(x).requires_grad_(True)
+        y = module(xi)
+        (y * y).sum().backward()
+        results.append((y.detach(), xi.grad, module.weight.grad))
+    for name, ours, truth in zip(("y", "dx", "dw"), *results):
+        assert_close(ours, truth, scale=4, msg=name)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("mode,offset", MODES)
+def test_meta_tensors(mode, offset, in_place):
+    """Meta in, meta out (shape inference, meta-device models), forward and backward."""
+    for dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32,) * 2):
+        x = torch.empty(2, 3, 40, device="meta", dtype=dtype, requires_grad=True)
+        w = torch.empty(40, device="meta", dtype=w_dtype, requires_grad=True)
+        y = liger(x, w, EPS, offset, mode, in_place)
+        assert y.device.type == "meta" and y.shape == x.shape
+        assert y.dtype == (torch.promote_types(dtype, w_dtype) if mode == "llama" else dtype)
+        (y * 1).sum().backward()
+        assert x.grad.device.type == "meta" and x.grad.shape == x.shape and x.grad.dtype == dtype
+        assert w.grad.device.type == "meta" and w.grad.shape == w.shape and w.grad.dtype == w_dtype
+
+
+def test_fake_tensors():
+    """Under a caller's FakeTensorMode (as torch.compile and torch.export trace) no kernel runs."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 7, 33, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(33, requires_grad=True)
+        y = liger(x, w, EPS, 0.0, "llama")
+        y.sum().backward()
+    assert isinstance(y, FakeTensor) and y.shape == x.shape and y.dtype == torch.float32
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape

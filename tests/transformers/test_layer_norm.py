@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liger_kernel.transformers.layer_norm import LigerLayerNorm, liger_layer_norm
-from tests.utils import DEVICE, assert_close, grad_ownership_report
+from tests.utils import DEVICE, assert_close, forward_backward_with_output_edit, grad_ownership_report
 
 HIDDEN = 123
 
@@ -125,3 +125,35 @@ def test_in_place_option(in_place):
                     + grad_ownership_report(lambda: (ours(x) * 1).backward(dy)))
     assert torch.equal(dy, kept)
     assert LigerLayerNorm(8).in_place and not LigerLayerNorm(8, in_place=False).in_place
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("edit", ["hook", "dropout"])
+def test_output_edited_in_place_like_torch(edit, in_place):
+    """A forward hook that edits the norm's output in place (activation steering), or an
+    in-place dropout after it: works forward and backward as with torch's module."""
+    ours, ref = paired(torch.float32)
+    ours.in_place = in_place
+    steer = torch.randn(HIDDEN, device=DEVICE)
+    x = torch.randn(2, 7, HIDDEN, device=DEVICE)
+    dy = torch.randn(2, 7, HIDDEN, device=DEVICE)
+    results = [(*forward_backward_with_output_edit(m, x, dy, edit, steer), m.weight.grad, m.bias.grad)
+               for m in (ours, ref)]
+    for name, a, e in zip(("y", "dx", "dw", "db"), *results):
+        assert_close(a, e, scale=4, msg=name)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_device_module(dtype, bias):
+    """A module built on the meta device gives meta outputs and gradients of torch's shapes and dtypes."""
+    with torch.device("meta"):
+        ours = LigerLayerNorm(HIDDEN, bias=bias).to(dtype)
+        ref = torch.nn.LayerNorm(HIDDEN, bias=bias).to(dtype)
+    x = torch.empty(2, 5, HIDDEN, device="meta", dtype=dtype, requires_grad=True)
+    y, y_ref = ours(x), ref(x)
+    assert y.device.type == "meta" and y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    y.sum().backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == x.shape and x.grad.dtype == dtype
+    for p in ours.parameters():
+        assert p.grad.shape == p.shape and p.grad.dtype == dtype

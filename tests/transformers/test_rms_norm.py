@@ -13,7 +13,7 @@ import torch
 
 from liger_kernel.transformers.rms_norm import LigerRMSNorm, liger_rms_norm
 from tests.transformers.model_configs import MODEL_TYPES, VOCAB, build_model, random_batch
-from tests.utils import DEVICE, assert_close, grad_ownership_report
+from tests.utils import DEVICE, assert_close, forward_backward_with_output_edit, grad_ownership_report
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
@@ -157,3 +157,39 @@ def test_patched_models_write_norm_gradients_in_place(model_type, monkeypatch):
     if sorted(decided) != sorted(in_place):
         report = grad_ownership_report(lambda: model(**batch).loss.backward())
         pytest.fail(f"written in place: {decided}, asked for: {in_place}; {report}")
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("edit", ["hook", "dropout"])
+def test_output_edited_in_place_like_hf(edit, in_place):
+    """A forward hook that edits the norm's output in place (activation steering), or an
+    in-place dropout after it: works forward and backward as with HF's module."""
+    steer = torch.randn(HIDDEN, device=DEVICE)
+    x = torch.randn(2, 7, HIDDEN, device=DEVICE)
+    dy = torch.randn(2, 7, HIDDEN, device=DEVICE)
+    results = []
+    for module in (liger_like("llama", HIDDEN, torch.float32), hf_like("llama", HIDDEN, torch.float32)):
+        if isinstance(module, LigerRMSNorm):
+            module.in_place = in_place
+        with torch.no_grad():
+            module.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
+        results.append((*forward_backward_with_output_edit(module, x, dy, edit, steer), module.weight.grad))
+    for name, ours, ref in zip(("y", "dx", "dw"), *results):
+        assert_close(ours, ref, scale=4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_device_module(kind, dtype):
+    """A module built on the meta device (meta-device model init, shape inference) gives meta
+    outputs and gradients of HF's shapes and dtypes."""
+    with torch.device("meta"):
+        ours = LigerRMSNorm(HIDDEN, eps=1e-6, offset=1.0 if kind == "gemma" else 0.0,
+                            casting_mode=kind, init_fn="zeros" if kind == "gemma" else "ones").to(dtype)
+        hf = {"llama": LlamaRMSNorm, "gemma": GemmaRMSNorm}[kind](HIDDEN, eps=1e-6).to(dtype)
+    x = torch.empty(2, 5, HIDDEN, device="meta", dtype=dtype, requires_grad=True)
+    y, y_ref = ours(x), hf(x)
+    assert y.device.type == "meta" and y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    y.sum().backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == x.shape and x.grad.dtype == dtype
+    assert ours.weight.grad.shape == ours.weight.shape and ours.weight.grad.dtype == dtype

@@ -29,7 +29,8 @@ def check_same_device(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> tor
     """All given tensors on one device, and that device usable by Triton.
 
     Triton kernels need CUDA tensors, except under the interpreter, which runs on CPU
-    tensors. Returns the common device.
+    tensors; meta tensors are accepted everywhere (the ops give meta outputs without
+    launching anything). Returns the common device.
     """
     device = None
     first = None
@@ -43,7 +44,7 @@ def check_same_device(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> tor
             raise ValueError(f"{name} is on {t.device} but {first} is on {device}; all tensors must be on one device")
     if device is None:
         raise ValueError("no tensor given")
-    if device.type != "cuda" and not is_interpreter():
+    if device.type not in ("cuda", "meta") and not is_interpreter():
         raise ValueError(
             f"{first} is on {device}: liger_kernel kernels run on CUDA tensors "
             "(or on CPU tensors with TRITON_INTERPRET=1 set before triton is imported)"

@@ -80,7 +80,7 @@ def _grad_owned_by_autograd(grad: torch.Tensor) -> bool:
     torch's storage use count, nothing counts as owned. A gradient autograd hands to two
     branches of the graph as one tensor (the norm's output added to a residual stream) is seen
     on torch 2.11 (CUDA) and 2.13 (CPU), whose engines keep the Python object referenced
-    meanwhile (``tests/ops/test_utils.py``); other versions were not checked, so there that case
+    meanwhile (``tests/ops/test_grad_ownership.py``); other versions were not checked, so there that case
     stays the caller's to avoid with ``in_place=False`` as the norms' docstrings say.
     """
     limits = _OWNED_GRAD_REFERENCES

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import FakeTensor
 
 # Widest row handled as a single register tile. Above it kernels loop over column
 # blocks of this width: a 64K-wide fp32 tile per program exhausts the register file
@@ -53,7 +54,7 @@ def row_launch_settings(n_cols: int, max_block: int | None = None) -> tuple[int,
     """Return ``(BLOCK_SIZE, num_warps)`` for a kernel that walks a row of ``n_cols`` elements.
 
     ``BLOCK_SIZE`` is the next power of two of ``n_cols`` capped at ``max_block`` (default:
-    :data:`MAX_FUSED_BLOCK`, read at call time so that the tunable takes effect); a kernel
+    :data:`MAX_FUSED_BLOCK`; the row norms pass their configuration's); a kernel
     whose block is smaller than the row loops over the row in ``BLOCK_SIZE`` chunks.
     ``num_warps`` grows with the block so each thread holds a handful of 16-byte vectors.
     """
@@ -108,8 +109,8 @@ def next_power_of_2(n: int) -> int:
 # knobs, specialises every argument, builds a string cache key and looks the compiled kernel
 # up. A training step launches the same few kernels with the same argument properties
 # hundreds of times, and when the GPU outpaces Python that host time shows as GPU idle time
-# (H200, llama-1b: ~11 ms idle per step in the forward). ``launch_kernel`` does Triton's lookup once
-# per distinct specialisation and afterwards calls the compiled kernel's launcher directly.
+# (docs/performance.md has the figure). ``launch_kernel`` does Triton's lookup once per distinct
+# specialisation and afterwards calls the compiled kernel's launcher directly.
 # --------------------------------------------------------------------------------------
 
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
@@ -215,13 +216,25 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs):
 # --------------------------------------------------------------------------------------
 
 
+def _any_meta(args: tuple) -> bool:
+    """Whether a positional tensor argument has no data: on the meta device, or a fake
+    tensor outside ``torch.compile`` (a ``FakeTensorMode`` of the caller's). Launchers take
+    tensors positionally."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and (arg.is_meta or isinstance(arg, FakeTensor)):
+            return True
+    return False
+
+
 def liger_custom_op(name: str, mutates_args: Sequence[str] = ()):
     """Register a kernel launcher as the custom op ``liger::<name>``.
 
     The returned callable runs the launcher directly in eager mode (no dispatcher
     overhead on the hot path) and goes through the registered op while
     ``torch.compile`` traces, so Dynamo never tries to trace into Triton and needs no
-    graph break. Register the shape function with ``@<launcher>.register_fake``. The
+    graph break, and for meta tensors (shape inference, meta-device models), which the
+    dispatcher hands to the fake implementation: meta in, meta out, no kernel launched
+    (the same for fake tensors under a caller's ``FakeTensorMode``). Register the shape function with ``@<launcher>.register_fake``. The
     launcher's annotations define the op schema: use ``torch.Tensor``, ``int``,
     ``float``, ``bool``, ``str`` and ``Optional`` of those; return a tensor or a tuple
     of fresh tensors (never an input or a view of one), and list every argument the
@@ -233,7 +246,7 @@ def liger_custom_op(name: str, mutates_args: Sequence[str] = ()):
 
         @functools.wraps(fn)
         def dispatch(*args, **kwargs):
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or _any_meta(args):
                 return op(*args, **kwargs)
             return fn(*args, **kwargs)
 

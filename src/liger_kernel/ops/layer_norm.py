@@ -12,9 +12,13 @@ Forward, per row x of length H::
     xhat = (x - mu) * r
     y    = xhat * w + b
 
-Rows that fit one register tile compute the mean and then the centred variance from
-registers (two-pass, no cancellation); wider rows (> ``utils.MAX_FUSED_BLOCK``) merge
-per-column-block (mean, M2) pairs with Chan's update, then normalise in a second pass.
+The statistics are taken about the row's first element s (d = x - s, mu = s + mean(d),
+x - mu = d - mean(d)): the same in exact arithmetic, and exact in fp32 for a constant row,
+whose d are all 0, so y == b exactly and xhat == 0 in the backward, as torch gives (the fp32
+mean of n copies of c is not c, and rstd = 1/sqrt(eps) would amplify its error). Rows that
+fit one register tile compute mean(d) and then the centred variance from registers
+(two-pass, no cancellation); wider rows (> ``RowNormConfig.max_fused_block``) merge
+per-column-block (mean, M2) pairs of d with Chan's update, then normalise in a second pass.
 
 Backward, with g = dy * w::
 
@@ -36,11 +40,13 @@ straight into an op whose backward hands the same gradient tensor to another inp
 tested (2.11, 2.13); on others, use ``in_place=False`` there.
 
 The kernels are the row-normalisation kernels shared with RMSNorm
-(``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:
+(``ops.row_norm.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:
 one pass forward (read X, W, B; write y, mean, rstd), one persistent pass backward (read
 dy, X, W, mean, rstd; write dx and the partial dW/dB); launch tunables are the
-``ROW_NORM_*`` constants of ``utils.row_norm_launch``. Constant rows give xhat = 0, y = b
-and finite gradients (rstd = 1/sqrt(eps)); empty inputs give empty outputs and zero dw/db.
+fields of ``ops.row_norm.RowNormConfig`` (override them with
+``ops.config.override_launch_config``). Constant rows give xhat = 0, y = b and finite
+gradients (rstd = 1/sqrt(eps)); empty inputs give empty outputs and zero dw/db. Meta
+tensors give meta outputs of the right shape and dtype (no kernel runs).
 """
 
 import math
@@ -108,19 +114,22 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     """Launch the forward kernel. Returns ``(y, mean, rstd)``: y like x, mean/rstd (N,) fp32."""
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    # Allocated in x's shape (contiguous) and returned as is: an ordinary tensor, not a view
+    # of a private (N, H) buffer, so callers may edit it in place.
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y_rows = y.view(n_rows, n_cols)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0 and n_cols > 0:
         launch = row_norm_launch(n_rows, n_cols, x.device, center=True)
         w = weight.contiguous()
         launch_kernel(row_norm_forward_kernel, (launch.n_tiles,),
-            rows, w, bias.contiguous() if bias is not None else w, y, mean, rstd,
-            n_rows, n_cols, rows.stride(0), y.stride(0),
+            rows, w, bias.contiguous() if bias is not None else w, y_rows, mean, rstd,
+            n_rows, n_cols, rows.stride(0), y_rows.stride(0),
             eps, 0.0,
             HAS_BIAS=bias is not None, **_launch_args(launch, backward=False),
         )
-    return y.view(x.shape), mean, rstd
+    return y, mean, rstd
 
 
 @layer_norm_forward.register_fake
@@ -156,7 +165,7 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), 0.0,
         HAS_BIAS=has_bias, **_launch_args(launch, backward=True),
     )
-    sums = sum_partials(partials, [weight.dtype, bias.dtype] if has_bias else [weight.dtype])
+    sums = sum_partials(partials, [weight.dtype, bias.dtype] if has_bias else [weight.dtype], launch)
     grad_weight = sums[0].view(weight.shape)
     grad_bias = sums[1].view(bias.shape) if has_bias else weight.new_empty((0,))
     return grad_x, grad_weight, grad_bias

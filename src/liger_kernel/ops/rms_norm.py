@@ -37,7 +37,7 @@ a (P, H) fp32 buffer, which is then summed in a fixed order.
 ``in_place=True`` lets the backward write dx over dy's storage (no new N x H buffer)
 when that is safe for the kernel: dy contiguous and of x's dtype (otherwise a fresh dx is
 allocated), and only when nothing else can read dy afterwards (see
-``utils.backward_writes_into_grad``): a gradient the caller passes in (``y.backward(g)``)
+``ops.grad_ownership.backward_writes_into_grad``): a gradient the caller passes in (``y.backward(g)``)
 or a hook keeps, also as a detached alias (``g.detach()``, ``g.data``), is never
 overwritten. A gradient tensor that another backward node also receives (the output added
 straight to a residual stream) is detected on the torch versions tested (2.11, 2.13); on
@@ -47,14 +47,17 @@ Rows of all zeros give y = 0 and rstd = 1/sqrt(eps) (finite for eps > 0); empty 
 give empty outputs and a zero dw.
 
 Launch: the kernels are the row-normalisation kernels shared with LayerNorm
-(``utils.row_norm_forward_kernel`` / ``row_norm_backward_kernel``, ``CENTER=False``).
+(``ops.row_norm.row_norm_forward_kernel`` / ``row_norm_backward_kernel``, ``CENTER=False``).
 Forward: one program per tile of rows (narrow rows are packed several to a tile), one
 read of X and W, one write of y and rstd. Backward: persistent programs, one read of dy,
 X, W and rstd, one write of dx and of the (P, H) partial dW, which one more launch sums
-over P (fixed order) into dW of W's dtype. Rows wider than ``utils.MAX_FUSED_BLOCK`` are
-processed in column blocks (two passes over the row, the second mostly from L2) instead
-of one register tile. Tile sizes, warps and programs
-per SM are the ``ROW_NORM_*`` tunables in ``utils.row_norm_launch``.
+over P (fixed order) into dW of W's dtype. Rows wider than ``RowNormConfig.max_fused_block``
+are processed in column blocks (two passes over the row, the second mostly from L2) instead
+of one register tile. Tile sizes, warps and programs per SM are the fields of
+``ops.row_norm.RowNormConfig`` (override them with ``ops.config.override_launch_config``).
+
+Meta tensors give meta outputs of the right shape and dtype (no kernel runs); under
+``torch.compile`` the launchers are opaque custom ops with fake implementations.
 """
 
 import math
@@ -138,21 +141,23 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
     casting = _casting_code(casting_mode)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
-    y = torch.empty((n_rows, n_cols), dtype=rms_norm_output_dtype(x.dtype, weight.dtype, casting_mode),
-                    device=x.device)
+    # Allocated in x's shape (contiguous) and returned as is: the output is an ordinary
+    # tensor, not a view of a private (N, H) buffer, so callers may edit it in place.
+    y = torch.empty(x.shape, dtype=rms_norm_output_dtype(x.dtype, weight.dtype, casting_mode), device=x.device)
+    y_rows = y.view(n_rows, n_cols)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0 and n_cols > 0:
         launch = row_norm_launch(n_rows, n_cols, x.device)
         launch_kernel(row_norm_forward_kernel, (launch.n_tiles,),
-            rows, weight.contiguous(), rows, y, rstd, rstd,  # no bias, no mean: unused pointers
-            n_rows, n_cols, rows.stride(0), y.stride(0),
+            rows, weight.contiguous(), rows, y_rows, rstd, rstd,  # no bias, no mean: unused pointers
+            n_rows, n_cols, rows.stride(0), y_rows.stride(0),
             eps, offset,
             CENTER=False, HAS_BIAS=False, CASTING=casting,
             FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
             ROUND_BY_HAND=launch.round_by_hand,
             num_warps=launch.num_warps,
         )
-    return y.view(x.shape), rstd
+    return y, rstd
 
 
 @rms_norm_forward.register_fake
@@ -188,7 +193,7 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
         ROW_ACCUMULATOR=launch.backward_row_accumulator,
         num_warps=launch.backward_num_warps,
     )
-    (grad_weight,) = sum_partials(partials, [weight.dtype])
+    (grad_weight,) = sum_partials(partials, [weight.dtype], launch)
     return grad_x, grad_weight
 
 

@@ -1,17 +1,41 @@
 """Row normalisation shared by RMSNorm and LayerNorm: the forward and backward kernels, their launch
-geometry and the summation of the backward's per-program weight-gradient partials."""
+configuration and geometry, and the summation of the backward's per-program weight-gradient partials.
+
+Both norms normalise each row by per-row statistics and then scale (and shift)::
+
+    xhat = (x - mu) * rstd,   y = xhat * (w + offset) [+ b]
+
+with mu = 0, rstd = 1/sqrt(mean(x^2) + eps) for RMSNorm and mu = mean(x),
+rstd = 1/sqrt(mean((x - mu)^2) + eps) for LayerNorm. One forward and one backward kernel
+serve both, specialised by constexpr flags (CENTER, HAS_BIAS, CASTING); the full math and
+the casting rules are in the docstrings of ops/rms_norm.py and ops/layer_norm.py.
+
+LayerNorm's statistics are taken about a shift, the row's first element s::
+
+    d = x - s,   mu_d = mean(d),   x - mu = d - mu_d,   mu = s + mu_d
+
+which changes nothing in exact arithmetic but makes a constant row exact in fp32: every
+d is 0, so mu = s, x - mu = 0, y = b and xhat = 0 in the backward, as torch gives. (The
+fp32 sum of n copies of c is not n * c, and the error of mean(x), amplified by
+rstd = 1/sqrt(eps), would show as |y - b| up to ~0.1 at H = 70000.) For a near-constant row
+(all elements within a factor 2 of s) d is exact (Sterbenz) and small, so x - mu is
+accurate to the spread of the row, not to the ulp of its magnitude. s is one extra load
+per row from the cache line the tile load brings in.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from liger_kernel.ops.checks import as_rows
+from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
     MAX_FUSED_BLOCK,
@@ -25,86 +49,111 @@ from liger_kernel.ops.launch import (
 )
 from liger_kernel.ops.numerics import round_to_dtype
 
-# ======================================================================================
-# Row normalisation (RMSNorm, LayerNorm): shared kernels and launch tunables.
-#
-# Both norms normalise each row by per-row statistics and then scale (and shift):
-#     xhat = (x - mu) * rstd,   y = xhat * (w + offset) [+ b]
-# with mu = 0, rstd = 1/sqrt(mean(x^2) + eps) for RMSNorm and mu = mean(x),
-# rstd = 1/sqrt(var(x) + eps) for LayerNorm. One forward and one backward kernel serve
-# both, specialised by constexpr flags (CENTER, HAS_BIAS, CASTING); the full math and the
-# casting rules are in the docstrings of ops/rms_norm.py and ops/layer_norm.py.
-# ======================================================================================
-
-
-
 # How the normalised row meets the weight (the CASTING constexpr of the kernels below).
 ROW_NORM_CAST_NONE = 0  # every step rounded to the input dtype, as torch would compute in that dtype
 ROW_NORM_CAST_LLAMA = 1  # statistics in fp32, xhat rounded to the input dtype, then times the weight
 ROW_NORM_CAST_FP32 = 2  # everything in fp32, rounded once on output (Gemma RMSNorm, LayerNorm)
 
-# ---- Tunables (change these after GPU measurements; nothing else hard-codes them) ----
-# Elements per program tile when a whole row fits one tile: rows narrower than this are
-# packed ROW_NORM_TILE_ELEMENTS // width to a tile so small hidden sizes still move
-# enough bytes per program.
-ROW_NORM_TILE_ELEMENTS = 4096
-ROW_NORM_MAX_ROWS_PER_TILE = 256
-# Backward warps: the backward keeps ~6 fp32 values per element live (dy, x, w, g, xhat,
-# the dW accumulator), so it gets fewer elements per thread than the forward: ptxas (sm_90)
-# gives the fused RMSNorm backward ~110 registers at 16 elements/thread (4096 cols, 8 warps:
-# only 2 programs = 16 warps fit an SM) and 64 at 8 elements/thread (16 warps, 2 programs =
-# 32 warps per SM). Measured (sweep below), 16 per thread with 8192-element tiles (2 rows of
-# 4096, 16 warps) is the fastest: more bytes in flight per program beat occupancy here.
-ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD = 16
-# Backward persistent grid: programs per SM = ROW_NORM_WARPS_PER_SM // backward warps,
-# clamped to [1, ROW_NORM_MAX_PROGRAMS_PER_SM]. Each program owns one fp32 row of the
-# (P, H) partial dW buffer, so fewer programs also means a smaller final reduction.
-# ptxas gives the 16-warp backward ~110 registers a thread, so only one such program is
-# resident per SM anyway: 16 (one program per SM, P = #SMs) beats 32 (a second wave of
-# programs and twice the partials). H200 run 6, 16384 x 4096 bf16 fwd+bwd: RMSNorm
-# 0.1793 vs 0.1858 ms, LayerNorm 0.1851 vs 0.1951 ms.
-ROW_NORM_WARPS_PER_SM = 16
-ROW_NORM_MAX_PROGRAMS_PER_SM = 4
-# Backward tile when a whole row fits one tile (the forward uses ROW_NORM_TILE_ELEMENTS):
-# ROW_NORM_BACKWARD_TILE_ROWS rows, within [ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS,
-# ROW_NORM_BACKWARD_TILE_ELEMENTS] elements. H200 sweeps, fwd+bwd bf16, CUDA-graph timing:
-# run 2 (RMSNorm 16384 x 4096) 8192-element tiles at 16 elements/thread 0.197 ms, 4096 at
-# 8/thread 0.225 ms; run 6, at 16 elements/thread: 16384 x 4096 RMSNorm 0.1795 ms (8192)
-# vs 0.2102 (4096), but 8192 x 2048 RMSNorm 0.0552 (4096) vs 0.0609 (8192), LayerNorm
-# 0.0573 vs 0.0688: two rows a tile is the best at both widths.
-ROW_NORM_BACKWARD_TILE_ELEMENTS = 8192
-ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS = 4096
-ROW_NORM_BACKWARD_TILE_ROWS = 2
-# Backward of fused rows: load the next tile while the current one is reduced and stored.
-ROW_NORM_BACKWARD_PREFETCH = True
-# Backward dW/dB accumulation of a multi-row tile: None picks per shape (a (rows, cols)
-# register accumulator summed once at the end when a tile's rows lie in different warps,
-# where a per-tile sum over rows is a shared-memory reduction; the per-tile sum when each
-# thread holds whole columns). H200, llama-1b e2e (8192 x 2048, tiles of 4 x 2048 over
-# 2 x 8 warps): 77.6 -> 41.1 us per backward with the accumulator. True/False force one.
-ROW_NORM_BACKWARD_ROW_ACCUMULATOR = None
-# Forward warps: None keeps row_launch_settings' choice for the tile (8 warps, 16 elements
-# per thread, for a 4096-element tile); a number sets the elements each thread holds.
-# LayerNorm (CENTER) has its own: its two dependent row reductions (mean, then the centred
-# variance) each cross every warp of the row, so fewer warps per row pay off there. Only
-# whole-row tiles use it (rows wider than MAX_FUSED_BLOCK keep the heuristic).
-# H200, 16384 x 4096 bf16 forward (run 6): RMSNorm None 0.0703 ms, 32 0.0721; LayerNorm
-# None 0.0775 ms, 32 0.0726.
-ROW_NORM_FORWARD_ELEMENTS_PER_THREAD = None
-ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD = 32
-# The backward's (P, H) fp32 partials are summed by one Triton launch per backward
-# (dW and dB together, rounded straight to the parameter dtype); False uses torch's
-# ``partials.sum(0).to(dtype)``, two launches per parameter, for A/B measurements.
-# H200 run 6 (16384 x 4096): RMSNorm fwd+bwd 0.1932 ms against torch's 0.1968; narrow
-# column blocks spread the sum over more SMs: 16 columns 0.1822 ms, 64 columns 0.1857.
-ROW_NORM_TRITON_PARTIALS_SUM = True
-PARTIALS_SUM_BLOCK_ROWS = 64
-PARTIALS_SUM_BLOCK_COLS = 16
+
+@dataclasses.dataclass(frozen=True)
+class RowNormConfig(LaunchConfig):
+    """Launch parameters of the row-normalisation kernels (RMSNorm, LayerNorm).
+
+    The fields are the knobs; :func:`row_norm_launch` turns them into the tile shape, warps
+    and grids of one problem (:class:`RowNormLaunch`). Every choice changes the schedule only:
+    the results agree to the summation order (the tests run several of them).
+    """
+
+    # Widest row held as one register tile; wider rows are walked in column blocks of this
+    # width (two passes, the second mostly from L2). Walking rows of 4096 in blocks of
+    # 1024-2048 is slower for both norms: the register-resident row stays.
+    max_fused_block: int = MAX_FUSED_BLOCK
+    # Forward elements per tile when a whole row fits one tile: rows narrower than this are
+    # packed tile_elements // width to a tile, so small hidden sizes still move enough bytes
+    # per program; at most max_rows_per_tile rows.
+    tile_elements: int = 4096
+    max_rows_per_tile: int = 256
+    # Forward elements per thread, which sets the forward's warps for whole-row tiles. None
+    # keeps row_launch_settings' choice (8 warps, 16 elements a thread, for a 4096-element
+    # tile), which is the fastest for RMSNorm. LayerNorm's two dependent row reductions
+    # (mean, then the centred variance) each cross every warp of the row, so it is faster
+    # with fewer warps: the heuristic gives it 32 elements a thread (4 warps at 4096).
+    forward_elements_per_thread: int | None = None
+    # Backward tile when a whole row fits one tile: backward_tile_rows rows, within
+    # [backward_min_tile_elements, backward_tile_elements] elements. Two rows a tile is the
+    # fastest at widths 2048 and 4096.
+    backward_tile_elements: int = 8192
+    backward_min_tile_elements: int = 4096
+    backward_tile_rows: int = 2
+    # The backward keeps ~6 fp32 values per element live (dy, x, w, g, xhat, the dW
+    # accumulator); at 16 elements a thread ptxas (sm_90) gives the fused backward ~110
+    # registers, so one 16-warp program fits an SM. More bytes in flight per program beat
+    # occupancy here: 16 a thread with 8192-element tiles is faster than 8 with 4096.
+    backward_elements_per_thread: int = 16
+    # Backward persistent grid: programs per SM = backward_warps_per_sm // backward warps,
+    # clamped to [1, max_programs_per_sm]. Each program owns one fp32 row of the (P, H)
+    # partial dW buffer; one 16-warp program per SM (P = #SMs) beats two (a second wave of
+    # programs and twice the partials).
+    backward_warps_per_sm: int = 16
+    max_programs_per_sm: int = 4
+    # Backward of fused rows: load the next tile while the current one is reduced and stored.
+    backward_prefetch: bool = True
+    # dW/dB accumulation of a multi-row backward tile. None picks per shape: a (rows, cols)
+    # register accumulator summed once at the end when a tile's rows lie in different warps
+    # (where a per-tile sum over rows is a shared-memory reduction), the per-tile sum when
+    # each thread holds whole columns. True/False force one.
+    backward_row_accumulator: bool | None = None
+    # Tile of the launch that sums the (P, H) partials over P: narrow column blocks spread
+    # the sum over more SMs.
+    partials_sum_block_rows: int = 64
+    partials_sum_block_cols: int = 16
+
+    def __post_init__(self) -> None:
+        # The geometry memo hashes the configuration on every launch: hash the fields once.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @classmethod
+    def heuristic(cls, n_rows: int, n_cols: int, device: torch.device | None = None,
+                  center: bool = False) -> RowNormConfig:
+        """The default for normalising ``n_rows`` rows of ``n_cols`` (``center``: LayerNorm).
+
+        The knobs depend on the norm only; the shape enters through :func:`row_norm_launch`.
+        """
+        return _CENTERED_DEFAULT if center else _DEFAULT
+
+    @classmethod
+    def search_space(cls, n_rows: int, n_cols: int, device: torch.device | None = None,
+                     center: bool = False) -> Iterator[RowNormConfig]:
+        """What ``python -m benchmarks.tune`` times, each group around the heuristic's values
+        of the other fields: the backward (tile, elements per thread, resident warps,
+        prefetch), the forward (tile, elements per thread), the column-block width, the dW
+        accumulation and the partials-sum tile."""
+        base = cls.heuristic(n_rows, n_cols, device, center)
+        candidates = [
+            *(dataclasses.replace(base, backward_prefetch=prefetch, backward_tile_elements=tile,
+                                  backward_elements_per_thread=per_thread, backward_warps_per_sm=warps)
+              for prefetch, tile, per_thread, warps in itertools.product(
+                  (True, False), (4096, 8192, 16384), (8, 16, 32), (16, 32))),
+            *(dataclasses.replace(base, tile_elements=tile, forward_elements_per_thread=per_thread)
+              for tile, per_thread in itertools.product((2048, 4096, 8192, 16384), (None, 8, 16, 32, 64, 128))),
+            *(dataclasses.replace(base, max_fused_block=block) for block in (1024, 2048)),
+            *(dataclasses.replace(base, backward_row_accumulator=accumulator) for accumulator in (True, False)),
+            *(dataclasses.replace(base, partials_sum_block_rows=rows, partials_sum_block_cols=cols)
+              for rows, cols in itertools.product((16, 64), (16, 32, 64))),
+        ]
+        return iter(dict.fromkeys(candidates))  # each once, in order
+
+
+_DEFAULT = RowNormConfig()
+_CENTERED_DEFAULT = RowNormConfig(forward_elements_per_thread=32)
 
 
 @dataclasses.dataclass(frozen=True)
 class RowNormLaunch:
-    """Launch geometry shared by the forward and backward row-normalisation kernels."""
+    """Launch geometry of one row-normalisation problem, derived from a :class:`RowNormConfig`."""
 
     block_rows: int  # rows per forward tile (power of two)
     backward_block_rows: int  # rows per backward tile (power of two)
@@ -116,24 +165,22 @@ class RowNormLaunch:
     backward_programs: int  # backward grid: persistent programs striding over the tiles
     round_by_hand: bool  # interpreter only: see round_to_dtype
     backward_prefetch: bool
-    backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the tunable)
+    backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the config)
+    partials_sum_block_rows: int
+    partials_sum_block_cols: int
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool = False) -> RowNormLaunch:
     """Tile shape, warps and grid sizes for normalising ``n_rows`` rows of ``n_cols``
-    (``center``: LayerNorm, which subtracts the mean).
+    (``center``: LayerNorm, which subtracts the mean), from ``launch_config(RowNormConfig, ...)``.
 
-    Memoised (a training step asks for the same few shapes hundreds of times, and the
-    host time of a launch shows as GPU idle time when the GPU outpaces Python); the key
-    includes the tunables, so changing one (``benchmarks.tune``) takes effect at once.
+    Memoised per (shape, SM count, configuration): a training step asks for the same few
+    shapes hundreds of times, and the host time of a launch shows as GPU idle time when the
+    GPU outpaces Python. An active ``override_launch_config(RowNormConfig, ...)`` changes the
+    configuration, hence the key, so it applies at once.
     """
-    tunables = (MAX_FUSED_BLOCK, MAX_BLOCK, ROW_NORM_TILE_ELEMENTS, ROW_NORM_MAX_ROWS_PER_TILE,
-                ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD, ROW_NORM_WARPS_PER_SM, ROW_NORM_MAX_PROGRAMS_PER_SM,
-                ROW_NORM_BACKWARD_TILE_ELEMENTS, ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS, ROW_NORM_BACKWARD_TILE_ROWS,
-                ROW_NORM_BACKWARD_PREFETCH, ROW_NORM_BACKWARD_ROW_ACCUMULATOR, is_interpreter())
-    forward_elements_per_thread = (ROW_NORM_CENTERED_FORWARD_ELEMENTS_PER_THREAD if center
-                                   else ROW_NORM_FORWARD_ELEMENTS_PER_THREAD)
-    return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), forward_elements_per_thread, tunables)
+    config = launch_config(RowNormConfig, n_rows, n_cols, device, center)
+    return _row_norm_launch(n_rows, n_cols, multiprocessor_count(device), config)
 
 
 def row_norm_grad_buffers(grad_output: torch.Tensor, x: torch.Tensor,
@@ -141,48 +188,47 @@ def row_norm_grad_buffers(grad_output: torch.Tensor, x: torch.Tensor,
     """``(dy_rows, dx_rows, grad_x)`` for a norm backward launch over x's rows.
 
     In place, dx is written over dy and ``grad_x`` is an empty placeholder (a custom op may
-    not return an alias of its input; the caller returns grad_output); otherwise dx is a
-    fresh buffer and ``grad_x`` its view in x's shape.
+    not return an alias of its input; the caller returns grad_output); otherwise ``grad_x``
+    is a fresh tensor of x's shape (contiguous, not a view) and ``dx_rows`` its (N, H) view.
     """
     n_rows, n_cols = as_rows(x).shape
     if in_place:
         dy_rows = grad_output.view(n_rows, n_cols)
         return dy_rows, dy_rows, x.new_empty((0,))
-    dx_rows = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    return as_rows(grad_output), dx_rows, dx_rows.view(x.shape)
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return as_rows(grad_output), grad_x.view(n_rows, n_cols), grad_x
 
 
 @functools.lru_cache(maxsize=1024)
-def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, forward_elements_per_thread: int | None,
-                     tunables: tuple) -> RowNormLaunch:
-    block_cols, _ = row_launch_settings(n_cols)
+def _row_norm_launch(n_rows: int, n_cols: int, n_sms: int, config: RowNormConfig) -> RowNormLaunch:
+    block_cols, _ = row_launch_settings(n_cols, max_block=config.max_fused_block)
     fused = block_cols >= n_cols
 
     def rows_per_tile(tile_elements: int) -> int:
         if not fused:
             return 1
-        return min(max(1, tile_elements // block_cols), ROW_NORM_MAX_ROWS_PER_TILE,
-                   next_power_of_2(n_rows))
+        return min(max(1, tile_elements // block_cols), config.max_rows_per_tile, next_power_of_2(n_rows))
 
-    block_rows = rows_per_tile(ROW_NORM_TILE_ELEMENTS)
-    backward_block_rows = rows_per_tile(min(ROW_NORM_BACKWARD_TILE_ELEMENTS, max(
-        ROW_NORM_BACKWARD_MIN_TILE_ELEMENTS, ROW_NORM_BACKWARD_TILE_ROWS * block_cols)))
+    block_rows = rows_per_tile(config.tile_elements)
+    backward_block_rows = rows_per_tile(min(config.backward_tile_elements, max(
+        config.backward_min_tile_elements, config.backward_tile_rows * block_cols)))
     _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
-    if forward_elements_per_thread is not None and fused and not is_interpreter():
-        num_warps = _warps_for(block_rows * block_cols, forward_elements_per_thread)
-    backward_num_warps = _warps_for(backward_block_rows * block_cols, ROW_NORM_BACKWARD_ELEMENTS_PER_THREAD)
+    if config.forward_elements_per_thread is not None and fused and not is_interpreter():
+        num_warps = _warps_for(block_rows * block_cols, config.forward_elements_per_thread)
+    backward_num_warps = _warps_for(backward_block_rows * block_cols, config.backward_elements_per_thread)
     if is_interpreter():
         backward_num_warps = num_warps  # ignored by the interpreter, but it sizes the grid below
     n_tiles = cdiv(n_rows, block_rows)
-    programs_per_sm = max(1, min(ROW_NORM_MAX_PROGRAMS_PER_SM, ROW_NORM_WARPS_PER_SM // backward_num_warps))
+    programs_per_sm = max(1, min(config.max_programs_per_sm, config.backward_warps_per_sm // backward_num_warps))
     programs = _persistent_grid(cdiv(n_rows, backward_block_rows), n_sms, programs_per_sm)
     # Triton's default layout gives each warp 32 threads x 8 contiguous columns; a tile row
     # narrower than all warps together puts the tile's rows into different warps.
-    row_accumulator = ROW_NORM_BACKWARD_ROW_ACCUMULATOR
+    row_accumulator = config.backward_row_accumulator
     if row_accumulator is None:
         row_accumulator = backward_block_rows > 1 and block_cols < 256 * backward_num_warps
     return RowNormLaunch(block_rows, backward_block_rows, block_cols, num_warps, backward_num_warps, fused, n_tiles,
-                         programs, is_interpreter(), ROW_NORM_BACKWARD_PREFETCH, bool(row_accumulator))
+                         programs, is_interpreter(), config.backward_prefetch, bool(row_accumulator),
+                         config.partials_sum_block_rows, config.partials_sum_block_cols)
 
 
 def _warps_for(tile_elements: int, elements_per_thread: int) -> int:
@@ -261,15 +307,21 @@ def row_norm_forward_kernel(
     rows64 = rows.to(tl.int64)
     x_rows = X + rows64[:, None] * x_row_stride
     y_rows = Y + rows64[:, None] * y_row_stride
-    mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    # LayerNorm: statistics of d = x - shift (the row's first element; module docstring),
+    # mean_d = mean(d), so that x - mean = d - mean_d is exact for a constant row.
+    shift = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    if CENTER:
+        shift = tl.load(X + rows64 * x_row_stride, mask=row_mask, other=0.0).to(tl.float32)
+    mean_d = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
     if FUSED:
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
         xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if CENTER:
-            mean = _div(tl.sum(xc, axis=1), n_cols)
-            xc = tl.where(mask, xc - mean[:, None], 0.0)
+            xc = tl.where(mask, xc - shift[:, None], 0.0)
+            mean_d = _div(tl.sum(xc, axis=1), n_cols)
+            xc = tl.where(mask, xc - mean_d[:, None], 0.0)
         rstd = _row_norm_rstd(tl.sum(_row_norm_square(xc, X.dtype.element_ty, CASTING, ROUND_BY_HAND), axis=1),
                               n_cols, eps, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
         _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
@@ -284,13 +336,14 @@ def row_norm_forward_kernel(
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if CENTER:
+                x = tl.where(mask, x - shift[:, None], 0.0)
                 seen = start * 1.0
                 block_n = tl.minimum(n_cols - start, BLOCK_COLS) * 1.0
                 block_mean = _div(tl.sum(x, axis=1), block_n)
                 d = tl.where(mask, x - block_mean[:, None], 0.0)
-                delta = block_mean - mean
+                delta = block_mean - mean_d
                 total = seen + block_n
-                mean += delta * (block_n / total)
+                mean_d += delta * (block_n / total)
                 m2 += tl.sum(d * d, axis=1) + delta * delta * (seen * block_n / total)
             else:
                 sum_sq += _row_norm_square(x, X.dtype.element_ty, CASTING, ROUND_BY_HAND)
@@ -305,12 +358,12 @@ def row_norm_forward_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             xc = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if CENTER:
-                xc = tl.where(mask, xc - mean[:, None], 0.0)
+                xc = tl.where(mask, (xc - shift[:, None]) - mean_d[:, None], 0.0)
             _row_norm_scale_store(y_rows + cols[None, :], X, W, B, cols, col_mask, mask, xc, rstd, offset,
                                   HAS_BIAS, CASTING, ROUND_BY_HAND)
     tl.store(RSTD + rows64, rstd, mask=row_mask)
     if CENTER:
-        tl.store(MEAN + rows64, mean, mask=row_mask)
+        tl.store(MEAN + rows64, shift + mean_d, mask=row_mask)
 
 
 @triton.jit
@@ -525,21 +578,24 @@ def _sum_partials_kernel(PARTIALS, OUT_FIRST, OUT_SECOND, n_partials, n_cols,
         tl.store(OUT_SECOND + cols, total.to(OUT_SECOND.dtype.element_ty), mask=col_mask)
 
 
-def sum_partials(partials: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+def sum_partials(partials: torch.Tensor, dtypes: Sequence[torch.dtype],
+                 launch: RowNormLaunch | None = None) -> list[torch.Tensor]:
     """Column sums of a norm backward's per-program partials, one new (H,) tensor per slab.
 
     ``partials`` is (K, P, H) fp32 with K = len(dtypes) in {1, 2} (dW, and dB for
-    LayerNorm); slab k is summed over its P rows in fp32 and rounded once to ``dtypes[k]``.
-    The outputs never share storage (a custom op's returns must not alias).
+    LayerNorm); slab k is summed over its P rows in fp32 and rounded once to ``dtypes[k]``,
+    by one launch for both slabs (torch's ``sum(0).to(dtype)`` would be two per slab).
+    ``launch`` gives the tile (default: the configuration's for this shape). The outputs
+    never share storage (a custom op's returns must not alias).
     """
     n_slabs, n_partials, n_cols = partials.shape
     if n_slabs != len(dtypes) or n_slabs not in (1, 2):
         raise ValueError(f"partials of shape {tuple(partials.shape)} need 1 or 2 dtypes, got {len(dtypes)}")
-    if not ROW_NORM_TRITON_PARTIALS_SUM:
-        return [partials[k].sum(dim=0).to(dtypes[k]) for k in range(n_slabs)]
+    if launch is None:
+        launch = row_norm_launch(n_partials, n_cols, partials.device)
     outs = [torch.empty(n_cols, dtype=dtype, device=partials.device) for dtype in dtypes]
-    grid = (cdiv(n_cols, PARTIALS_SUM_BLOCK_COLS), n_slabs)
+    grid = (cdiv(n_cols, launch.partials_sum_block_cols), n_slabs)
     launch_kernel(_sum_partials_kernel, grid, partials, outs[0], outs[-1], n_partials, n_cols,
-                  BLOCK_ROWS=PARTIALS_SUM_BLOCK_ROWS, BLOCK_COLS=PARTIALS_SUM_BLOCK_COLS,
+                  BLOCK_ROWS=launch.partials_sum_block_rows, BLOCK_COLS=launch.partials_sum_block_cols,
                   ROUND_BY_HAND=is_interpreter(), num_warps=4)
     return outs
