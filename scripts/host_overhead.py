@@ -59,7 +59,8 @@ def main() -> int:
 
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-    from liger_kernel.ops import utils
+    from liger_kernel.ops.config import override_launch_config
+    from liger_kernel.ops.launch import KernelLaunchConfig
     from liger_kernel.ops.rms_norm import rms_norm_forward
     from liger_kernel.transformers import (
         LigerRMSNorm,
@@ -84,10 +85,9 @@ def main() -> int:
         print(f"{name:60s} {us:9.2f} us", flush=True)
 
     def both_launch_modes(name: str, fn) -> None:
-        for fast in (True, False):
-            utils.FAST_LAUNCH = fast
-            record(f"{name} [{'cached' if fast else 'triton'} launch]", fn)
-        utils.FAST_LAUNCH = True
+        for cached in (True, False):
+            with override_launch_config(KernelLaunchConfig, cached=cached):
+                record(f"{name} [{'cached' if cached else 'triton'} launch]", fn)
 
     weight = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
     x_plain = x.detach().view(tokens, hidden)

@@ -230,6 +230,7 @@ def test_set_overrides_a_launch_configuration_for_the_run_only():
     import contextlib
 
     from benchmarks.__main__ import apply_overrides
+
     from liger_kernel.ops.config import launch_config
     from liger_kernel.ops.cross_entropy import CrossEntropyConfig
 

@@ -13,10 +13,11 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops import launch as utils
-from liger_kernel.ops.launch import _argument_key, is_interpreter, launch_kernel
+from liger_kernel.ops.config import launch_config, override_launch_config
+from liger_kernel.ops.launch import KernelLaunchConfig, _argument_key, is_interpreter, launch_kernel
 from tests.utils import DEVICE
 
-FAST = not is_interpreter() and utils.FAST_LAUNCH
+FAST = not is_interpreter() and launch_config(KernelLaunchConfig).cached
 
 
 @triton.jit
@@ -130,11 +131,11 @@ def test_launch_hooks_go_through_triton(monkeypatch, fresh_cache):
 
 @pytest.mark.skipif(not FAST, reason="the cached path exists only for compiled kernels")
 def test_switch_off_uses_triton_every_time(monkeypatch, fresh_cache):
-    monkeypatch.setattr(utils, "FAST_LAUNCH", False)
     counter = _CountTritonCalls(monkeypatch)
     x, y = torch.randn(100, device=DEVICE), torch.randn(100, device=DEVICE)
-    for _ in range(2):
-        torch.testing.assert_close(_axpy(x, y), _reference(x, y), rtol=1e-6, atol=1e-6)
+    with override_launch_config(KernelLaunchConfig, cached=False):
+        for _ in range(2):
+            torch.testing.assert_close(_axpy(x, y), _reference(x, y), rtol=1e-6, atol=1e-6)
     assert counter.calls == 2 and not fresh_cache._LAUNCH_CACHE
 
 
@@ -193,11 +194,11 @@ def stand_in(monkeypatch):
 
     monkeypatch.setattr(kernel, "run", triton_run)
     monkeypatch.setattr(utils, "is_interpreter", lambda: False)
-    monkeypatch.setattr(utils, "FAST_LAUNCH", True)
     monkeypatch.setattr(utils, "_LAUNCH_CACHE", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    return kernel, compiled, triton_calls
+    with override_launch_config(KernelLaunchConfig, cached=True):
+        yield kernel, compiled, triton_calls
 
 
 def test_cached_launch_passes_arguments_in_signature_order(stand_in):

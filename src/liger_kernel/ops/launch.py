@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 import torch
 import triton
 from torch._subclasses.fake_tensor import FakeTensor
+
+from liger_kernel.ops.config import LaunchConfig, launch_config
 
 # Widest row handled as a single register tile. Above it kernels loop over column
 # blocks of this width: a 64K-wide fp32 tile per program exhausts the register file
@@ -115,9 +118,28 @@ def next_power_of_2(n: int) -> int:
 
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 
-# Environment switch (read once): LIGER_KERNEL_FAST_LAUNCH=0 sends every launch through
-# ``kernel[grid]`` (for A/B measurements and as an escape hatch).
-FAST_LAUNCH = os.environ.get("LIGER_KERNEL_FAST_LAUNCH", "1") not in ("0", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLaunchConfig(LaunchConfig):
+    """How :func:`launch_kernel` starts a kernel.
+
+    ``cached``: reuse Triton's specialisation after the first launch (the default). The
+    environment variable ``LIGER_KERNEL_FAST_LAUNCH=0``, read once at import, makes the
+    default False (every launch through ``kernel[grid]``: for A/B measurements of host time
+    and as an escape hatch); ``override_launch_config(KernelLaunchConfig, cached=...)``
+    switches it within a block.
+    """
+
+    cached: bool = True
+
+    @classmethod
+    def heuristic(cls) -> KernelLaunchConfig:
+        return _DEFAULT_KERNEL_LAUNCH
+
+
+_DEFAULT_KERNEL_LAUNCH = KernelLaunchConfig(
+    cached=os.environ.get("LIGER_KERNEL_FAST_LAUNCH", "1") not in ("0", ""))
 
 
 def _argument_key(arg: object) -> object:
@@ -182,7 +204,7 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs):
     Returns what Triton returns for the launch (the compiled kernel; None under the
     interpreter).
     """
-    if (not FAST_LAUNCH or is_interpreter() or not isinstance(kernel, triton.runtime.JITFunction)
+    if (is_interpreter() or not launch_config(KernelLaunchConfig).cached or not isinstance(kernel, triton.runtime.JITFunction)
             or type(grid) is not tuple):
         return kernel[grid](*args, **kwargs)
     arg_keys = tuple(map(_argument_key, args))
