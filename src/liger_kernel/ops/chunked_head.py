@@ -16,9 +16,10 @@ given as two functions:
   ``token_args`` tensors (B, T, ...) sliced to the same R rows (flattened to (R, ...)).
   Differentiable in ``z``; rows must not interact (row r of ``q`` depends on row r of ``z``).
 * ``group_fn(q, q_ref, *group_args) -> (loss, metrics)``: ``q`` (G, T, K) of G whole groups,
-  ``q_ref`` the same quantities of the second head or None, ``group_args`` tensors (B, ...)
-  sliced to the same groups. ``loss`` is a 0-d float32 tensor, differentiable in ``q``;
-  ``metrics`` a tuple of tensors (detached on return).
+  upcast to float64 (the sequence-level math costs nothing next to the logits, and float64 keeps
+  cancellations such as ``1 - sigmoid(9)`` from eating float32 digits), ``q_ref`` the same quantities of the second head or None, ``group_args`` tensors (B, ...)
+  sliced to the same groups. ``loss`` is a 0-d tensor, differentiable in ``q``, returned as
+  float32; ``metrics`` a tuple of tensors (detached, float64 ones cast to float32, on return).
 
 The loss is ``L = group_fn(token_fn(Z))`` over the whole batch. By the chain rule, with
 ``G = dL/dZ`` (B*T, V) (obtained exactly, by autograd through the two functions, chunk by
@@ -210,6 +211,16 @@ def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_
     return ChunkPlan(False, rows, ())
 
 
+def _as_float64(q: torch.Tensor | None) -> torch.Tensor | None:
+    # Sequence-level math runs on (G, T, K) tensors, negligible next to the logits: float64
+    # there keeps cancellations such as 1 - sigmoid(9) (KTO, APO) from costing float32 digits.
+    return q.double() if q is not None else None
+
+
+def _as_float32(m: torch.Tensor) -> torch.Tensor:
+    return m.float() if m.dtype == torch.float64 else m
+
+
 def _chunk_logit_grad(loss: torch.Tensor, logits: torch.Tensor, outputs_grad: torch.Tensor | None = None):
     """``d loss / d logits`` (zeros where the loss does not depend on them)."""
     if not loss.requires_grad:
@@ -311,14 +322,14 @@ def chunked_head_loss_and_grads(
         if n_rows == 0:
             empty = torch.zeros((0, n_cols), device=x.device)
             q = token_fn(empty, *rows.token_fn_ref_args(()), *rows.token_args)
-            q = q.reshape(n_groups, seq_len, q.shape[-1])
+            q = _as_float64(q.reshape(n_groups, seq_len, q.shape[-1]))
             q_ref = q.clone() if ref_weight is not None and not ref_logits_to_token_fn else None
             loss, metrics = group_fn(q, q_ref, *group_args)
         elif plan.one_pass:
             loss, metrics = _one_pass(rows, plan, token_fn, group_fn, group_args, seq_len, grads)
         else:
             loss, metrics = _two_passes(rows, plan, token_fn, group_fn, group_args, (n_groups, seq_len), grads)
-    return loss.detach().float(), tuple(m.detach() for m in metrics), grads.result(bias)
+    return loss.detach().float(), tuple(_as_float32(m.detach()) for m in metrics), grads.result(bias)
 
 
 class _Rows:
@@ -380,7 +391,8 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
         with torch.enable_grad():
             logits32 = logits.float().requires_grad_(True)
             q = token_fn(logits32, *ref_args, *targs)
-            chunk_loss, chunk_metrics = group_fn(q.view(-1, seq_len, q.shape[-1]), q_ref, *gargs)
+            chunk_loss, chunk_metrics = group_fn(_as_float64(q.view(-1, seq_len, q.shape[-1])), _as_float64(q_ref),
+                                                 *gargs)
             grad_logits = _chunk_logit_grad(chunk_loss, logits32)
         del logits, logits32, q, ref_args
         loss += chunk_loss.detach().float()
@@ -401,7 +413,7 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
     q_ref = torch.cat(q_ref_parts).view(*batch_shape, -1) if q_ref_parts[0] is not None else None
     with torch.enable_grad():
         q_all.requires_grad_(True)
-        loss, metrics = group_fn(q_all, q_ref, *group_args)
+        loss, metrics = group_fn(_as_float64(q_all), _as_float64(q_ref), *group_args)
         grad_q = _rows(_chunk_logit_grad(loss, q_all))
     for row_ranges in plan.row_ranges:
         x_rows = _gather(rows.x, row_ranges)
