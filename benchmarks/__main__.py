@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.harness import MODES, PROVIDERS  # harness imports torch, not triton
 
-OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
+OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "dpo")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -107,9 +107,10 @@ def apply_overrides(overrides: list[str]) -> list[str]:
 
 
 def load_specs(ops: tuple[str, ...]):
-    from benchmarks import bench_cross_entropy, bench_gated_mlp, bench_norms, bench_rope
+    from benchmarks import bench_cross_entropy, bench_gated_mlp, bench_norms, bench_post_training, bench_rope
 
-    specs = {s.name: s for m in (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy) for s in m.SPECS}
+    specs = {s.name: s for m in (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy, bench_post_training)
+             for s in m.SPECS}
     return [specs[name] for name in ops]
 
 

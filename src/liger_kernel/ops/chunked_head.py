@@ -244,14 +244,18 @@ class _GradAccumulator:
         self.grad_b = torch.zeros(weight.shape[0], device=x.device, dtype=torch.float32) \
             if (need_b and bias is not None) else None
 
-    def add(self, grad_logits: torch.Tensor, x_rows: torch.Tensor, write_x: Callable[[torch.Tensor], None]):
+    def add(self, grad_box: list[torch.Tensor], x_rows: torch.Tensor, write_x: Callable[[torch.Tensor], None]):
+        """Consume a chunk's float32 logit gradient, handed over as ``[grad]`` so that it can be
+        freed once rounded to the input dtype (before the two GEMMs)."""
+        grad_logits = grad_box.pop()
+        if self.grad_b is not None:
+            self.grad_b.add_(grad_logits.sum(0))
         g = grad_logits.to(self.x_dtype)
+        del grad_logits
         if self.grad_x is not None:
             write_x(torch.matmul(g, self.weight))
         if self.grad_w is not None:
             _accumulate_grad_weight(self.grad_w, g, x_rows, first=False)
-        if self.grad_b is not None:
-            self.grad_b.add_(grad_logits.sum(0))
 
     def result(self, bias) -> HeadGrads:
         grad_w = self.grad_w
@@ -387,18 +391,20 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
         if q_ref is not None:
             q_ref = q_ref.view(-1, seq_len, q_ref.shape[-1])
         ref_args = rows.token_fn_ref_args(row_ranges)
-        logits = rows.logits(row_ranges, x_rows)
+        # Only the float32 copy of the logits stays alive (the input-dtype GEMM output is dropped).
+        logits32 = rows.logits(row_ranges, x_rows).float()
         with torch.enable_grad():
-            logits32 = logits.float().requires_grad_(True)
+            logits32.requires_grad_(True)
             q = token_fn(logits32, *ref_args, *targs)
             chunk_loss, chunk_metrics = group_fn(_as_float64(q.view(-1, seq_len, q.shape[-1])), _as_float64(q_ref),
                                                  *gargs)
             grad_logits = _chunk_logit_grad(chunk_loss, logits32)
-        del logits, logits32, q, ref_args
+        del logits32, q, ref_args
         loss += chunk_loss.detach().float()
         metrics.append(tuple(m.detach() for m in chunk_metrics))
-        grads.add(grad_logits, x_rows, rows.write_grad_x(grads, row_ranges))
+        box = [grad_logits]
         del grad_logits
+        grads.add(box, x_rows, rows.write_grad_x(grads, row_ranges))
     return loss, _merge_metrics(metrics)
 
 
@@ -418,14 +424,15 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
     for row_ranges in plan.row_ranges:
         x_rows = _gather(rows.x, row_ranges)
         ref_args = rows.token_fn_ref_args(row_ranges)
-        logits = rows.logits(row_ranges, x_rows)
+        logits32 = rows.logits(row_ranges, x_rows).float()
         with torch.enable_grad():
-            logits32 = logits.float().requires_grad_(True)
+            logits32.requires_grad_(True)
             q = token_fn(logits32, *ref_args, *(_gather(t, row_ranges) for t in rows.token_args))
             grad_logits = _chunk_logit_grad(q, logits32, _gather(grad_q, row_ranges))
-        del logits, logits32, q, ref_args
-        grads.add(grad_logits, x_rows, rows.write_grad_x(grads, row_ranges))
+        del logits32, q, ref_args
+        box = [grad_logits]
         del grad_logits
+        grads.add(box, x_rows, rows.write_grad_x(grads, row_ranges))
     return loss, tuple(metrics)
 
 
