@@ -8,10 +8,10 @@ log-probs summed per sequence, ``-log s(beta ((c - c_ref) - (r - r_ref)))`` aver
 pairs (TRL's DPO), eager and under torch.compile. Liger: ``LigerFusedLinearDPOLoss``.
 
 Compute-bound floor at the measured matmul rate, with M = 2P*T rows: the policy's logits and
-the reference's (2 M D V each) in the forward, dX and dW (4 M D V) in the backward, 8 M D V in
-all (at P 8, T 1024, D 4096, V 128256: 17.2 TFLOP). The chunked loss computes the policy's
-logits twice when a pair's rows exceed its chunk (two passes; see
-``liger_kernel.ops.chunked_head``): 10 M D V. Memory floor: dX + dW.
+the reference's (2 M D V FLOPs each) in the forward, dX and dW (4 M D V) in the backward,
+8 M D V in all (at P 8, T 1024, D 4096, V 128256: 68.9 TFLOP, 100 ms at 687 TFLOP/s). The
+chunked loss computes the policy's logits twice when a pair's rows exceed its chunk (two
+passes; see ``liger_kernel.ops.chunked_head``): 10 M D V. Memory floor: dX + dW.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The DPO benchmark compares like with like: its materialised-logits reference and the fused
-loss agree at the tiny shape, and its floor is the issue's (8 M D V at the target shape)."""
+loss agree at the tiny shape, and its floor is 8 M D V FLOPs (two heads forward, dX and dW) at the target shape."""
 
 import pytest
 import torch
@@ -25,6 +25,6 @@ def test_target_shape_and_floor():
     (spec,) = bench.SPECS
     shape = spec.gpu_shapes[0]
     assert shape == {"P": 8, "T": 1024, "D": 4096, "V": 128256}
-    assert spec.floor(shape, torch.bfloat16, "full").flops / 1e12 == pytest.approx(17.2, abs=0.05)
+    assert spec.floor(shape, torch.bfloat16, "full").flops / 1e12 == pytest.approx(68.86, abs=0.01)
     mib = spec.floor_peak_bytes(shape, torch.bfloat16, "full") / 2**20
     assert mib == pytest.approx((16 * 1024 + 128256) * 4096 * 2 / 2**20)
