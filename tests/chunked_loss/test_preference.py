@@ -133,7 +133,7 @@ def pair_metrics(logits, logps, vocab):
 # --------------------------------------------------------------------------------------
 
 
-def check(module_call, reference_loss, x, weight, bias, paired, chunk_rows, ref_head=None):
+def check(module_call, reference_loss, x, weight, bias, paired, chunk_rows, ref_head=None, at_engine_logits=False):
     """Run ``module_call(leaves)`` under a chunk override and compare loss, metrics and grads
     with ``reference_loss(logits64, ref_logits64) -> (loss, metrics, q)``."""
     with override_launch_config(ChunkedHeadConfig, chunk_rows=chunk_rows):
@@ -143,7 +143,8 @@ def check(module_call, reference_loss, x, weight, bias, paired, chunk_rows, ref_
     upstream = float(torch.rand(()) + 0.5)
     (loss * upstream).backward()
     ref_logits = engine_logits(*ref_head, plan).double() if ref_head is not None else None
-    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(reference_loss, x, weight, bias, plan, ref_logits)
+    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(reference_loss, x, weight, bias, plan, ref_logits,
+                                                               fp32_at_engine_logits=at_engine_logits)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert_loss_match(loss, loss_ref)
     assert len(metrics) == len(metrics_ref), (len(metrics), len(metrics_ref))
@@ -198,7 +199,7 @@ def test_dpo_loss_types_fp32(loss_type, n_seqs, seq_len, hidden, vocab, chunk_ro
     loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)
     check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head),
           dpo_reference(target, beta, loss_type, ls, 0.05, False, True, None, 1.0, False),
-          x, weight, bias, True, chunk_rows, ref_head)
+          x, weight, bias, True, chunk_rows, ref_head, at_engine_logits=loss_type == "discopop")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -233,7 +234,8 @@ def test_dpo_options(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, options)
     reference = dpo_reference(target, beta, options["loss_type"], 0.0, options.get("discopop_tau", 0.05),
                               options.get("average_log_prob", False), use_ref, ref_logps, options.get("alpha", 1.0),
                               options.get("compute_nll_loss", False))
-    check(call, reference, x, weight, bias, True, chunk_rows, ref_head if use_ref and not precomputed else None)
+    check(call, reference, x, weight, bias, True, chunk_rows, ref_head if use_ref and not precomputed else None,
+          at_engine_logits=options["loss_type"] == "discopop")
 
 
 # --------------------------------------------------------------------------------------

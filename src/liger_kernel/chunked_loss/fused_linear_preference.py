@@ -44,6 +44,7 @@ import torch
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.chunked_head import (
+    TargetLogProbs,
     chunked_head_loss_and_grads,
     save_head_grads,
     scaled_head_grads,
@@ -57,23 +58,6 @@ def check_targets(target: torch.Tensor, _input: torch.Tensor, name: str = "targe
     if tuple(target.shape) != tuple(_input.shape[:2]):
         raise ValueError(f"{name} has shape {tuple(target.shape)}; it must be (batch, seq_len) = "
                          f"{tuple(_input.shape[:2])}")
-
-
-def target_log_probs(ignore_index: int):
-    """``token_fn`` of the preference losses: per token (R, 2 or 3) float32 columns
-    ``[log p(target) (0 where ignored), sum of the row's logits, log p(nll_target) (0 where ignored)]``,
-    the last only when an ``nll_target`` is given."""
-
-    def token_fn(logits, target, *nll_target):
-        logp = torch.log_softmax(logits, dim=-1)
-
-        def picked(labels):
-            counted = labels != ignore_index
-            return logp.gather(-1, torch.where(counted, labels, 0).long().unsqueeze(-1)).squeeze(-1) * counted
-
-        return torch.stack([picked(target), logits.sum(-1), *(picked(t) for t in nll_target)], dim=-1)
-
-    return token_fn
 
 
 def sequence_log_probs(token_logps: torch.Tensor, counted: torch.Tensor, average: bool) -> torch.Tensor:
@@ -182,10 +166,11 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
                 kwargs.update(chosen_token_counts=counts[:half], rejected_token_counts=counts[half:])
             outputs = loss_fn(logps[:half], logps[half:], target, beta=beta, **kwargs)
             preference_loss, *extra = outputs if isinstance(outputs, tuple) else (outputs,)
-            nll_column = 0 if nll_target is None else 2
+            # Columns of TargetLogProbs: log p(target), [log p(nll_target)], row sum of the logits.
+            nll_column = 0 if nll_target is None else 1
             nll = -q[:half, :, nll_column].sum() / chosen_nll_count if compute_nll_loss else q.new_zeros(())
             loss = preference_loss + alpha * nll
-            row_sums = q[..., 1]
+            row_sums = q[..., -1]
             metrics = (logps[:half], logps[half:], row_sums[:half].sum() / logits_count,
                        row_sums[half:].sum() / logits_count, nll, *extra)
             return loss, metrics
@@ -194,7 +179,7 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                  bias is not None and bool(ctx.needs_input_grad[3]))
         loss, metrics, grads = chunked_head_loss_and_grads(
-            _input, weight, bias, target_log_probs(ignore_index), group_fn,
+            _input, weight, bias, TargetLogProbs(ignore_index), group_fn,
             token_args=token_args, group_args=group_args,
             ref_x=ref_input if with_ref_head else None, ref_weight=ref_weight if with_ref_head else None,
             ref_bias=ref_bias if with_ref_head else None, paired=True, additive=True, needs=needs)

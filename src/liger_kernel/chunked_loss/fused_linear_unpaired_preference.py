@@ -26,13 +26,10 @@ from abc import abstractmethod
 
 import torch
 
-from liger_kernel.chunked_loss.fused_linear_preference import (
-    check_targets,
-    sequence_log_probs,
-    target_log_probs,
-)
+from liger_kernel.chunked_loss.fused_linear_preference import check_targets, sequence_log_probs
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.chunked_head import (
+    TargetLogProbs,
     chunked_head_loss_and_grads,
     save_head_grads,
     scaled_head_grads,
@@ -94,7 +91,7 @@ class LigerFusedLinearUnpairedPreferenceBase(torch.autograd.Function):
                 kwargs["ref_log_prob_chunk"] = precomputed[0]
             outputs = loss_fn(logps, labels, target, **kwargs)
             loss, *extra = outputs if isinstance(outputs, tuple) else (outputs,)
-            row_sums = q[..., 1].sum(-1)
+            row_sums = q[..., -1].sum(-1)
             metrics = (logps[labels].sum(), logps[~labels].sum(), row_sums[labels].sum(), row_sums[~labels].sum(),
                        *extra)
             return loss, metrics
@@ -102,7 +99,7 @@ class LigerFusedLinearUnpairedPreferenceBase(torch.autograd.Function):
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                  bias is not None and bool(ctx.needs_input_grad[4]))
         loss, metrics, grads = chunked_head_loss_and_grads(
-            _input, weight, bias, target_log_probs(ignore_index), group_fn, token_args=[target],
+            _input, weight, bias, TargetLogProbs(ignore_index), group_fn, token_args=[target],
             group_args=group_args, ref_x=ref_input if with_ref_head else None,
             ref_weight=ref_weight if with_ref_head else None, ref_bias=ref_bias if with_ref_head else None,
             paired=False, additive=True, needs=needs)

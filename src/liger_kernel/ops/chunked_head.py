@@ -57,11 +57,18 @@ distributions row by row (distillation: JSD, KL) set ``ref_logits_to_token_fn``:
 is then called as ``token_fn(z, z_ref, *token_args)`` with the second head's float32 logits
 rows ``z_ref`` (R, V') (no gradient flows to them) and ``q_ref`` is None.
 
+Each chunk's ``G`` is formed through ``c = dL/dq`` (autograd on the small (G, T, K) tensor),
+then pulled back through ``token_fn``: by autograd, or, for a ``token_fn`` with a closed-form
+``backward_in_place(z, c, *args)`` (:class:`TargetLogProbs`: the label log-probabilities every
+preference and RL loss reads), written over the chunk's float32 logits, so that a chunk holds
+one float32 (C, V) buffer (plus the input-dtype copy of ``G`` for the GEMMs) instead of
+autograd's saved log-softmax and gradient.
+
 Chunk size: the float32 logits of a chunk stay within the fused linear cross entropy's budget
 (:func:`~liger_kernel.ops.fused_linear_cross_entropy.chunk_rows_for` at 4 bytes an element:
 the larger of its fixed budget and its fraction of the dW + dX bytes), as
-:class:`ChunkedHeadConfig`. Autograd inside a chunk keeps a few tensors of that size (the
-upcast logits, a log-softmax, the gradient). Gradients are computed in the forward pass for a
+:class:`ChunkedHeadConfig`. A ``token_fn`` differentiated by autograd keeps a few tensors of
+that size (the upcast logits, a log-softmax, the gradient). Gradients are computed in the forward pass for a
 unit upstream gradient; backward only scales them (:mod:`liger_kernel.ops.scaling`).
 
 Precision: logits are one GEMM in the input dtype with float32 accumulation (as an HF model's
@@ -380,6 +387,64 @@ class _Rows:
         return write
 
 
+class TargetLogProbs:
+    """A ``token_fn`` with a closed-form, in-place backward: per row, the log-probabilities of
+    given labels and the row sum of the logits, (R, J + 1) float32 columns::
+
+        q_j = z[l_j] - logsumexp(z)   (0 where l_j == ignore_index),  j < J;     q_J = sum_v z_v
+
+    for label tensors ``l_0 .. l_{J-1}`` (R,). Its vector-Jacobian product with ``c = dL/dq``::
+
+        dL/dz = -(sum_j c_j) softmax(z) + sum_j c_j onehot(l_j) + c_J
+
+    (ignored labels contribute nothing) is written over the float32 logits by
+    :meth:`backward_in_place`, so a chunk needs no autograd buffers beyond its logits (the
+    engine uses it whenever a ``token_fn`` has that method). Also differentiable by autograd.
+    """
+
+    def __init__(self, ignore_index: int):
+        self.ignore_index = ignore_index
+
+    def _labels(self, labels):
+        for lab in labels:
+            counted = lab != self.ignore_index
+            yield counted, torch.where(counted, lab, 0).long().unsqueeze(-1)
+
+    def __call__(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)
+        columns = [(logits.gather(-1, index).squeeze(-1) - lse) * counted for counted, index in self._labels(labels)]
+        return torch.stack([*columns, logits.sum(-1)], dim=-1)
+
+    def backward_in_place(self, logits: torch.Tensor, grad_q: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        grad_q = grad_q.to(logits.dtype)
+        probs = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
+        coefficients = [(grad_q[:, j] * counted, index) for j, (counted, index) in enumerate(self._labels(labels))]
+        total = sum((c for c, _ in coefficients), torch.zeros_like(grad_q[:, 0]))
+        probs.mul_(-total.unsqueeze(-1))
+        for c, index in coefficients:
+            probs.scatter_add_(-1, index, c.unsqueeze(-1))
+        return probs.add_(grad_q[:, -1:])
+
+
+def _chunk_grad_via_q(token_fn, logits32, extra_args, loss_of_q):
+    """A chunk's logit gradient through ``dL/dq``: ``loss_of_q(q) -> (loss, aux)`` is
+    differentiated with respect to the (R, K) quantities only, then pulled back through
+    ``token_fn`` in place (``backward_in_place``) or by autograd. Returns (grad, loss, aux)."""
+    in_place = hasattr(token_fn, "backward_in_place")
+    with torch.no_grad() if in_place else torch.enable_grad():
+        if not in_place:
+            logits32.requires_grad_(True)
+        q = token_fn(logits32, *extra_args)
+    with torch.enable_grad():
+        q_leaf = q.detach().requires_grad_(True)
+        loss, aux = loss_of_q(q_leaf)
+        grad_q = _chunk_logit_grad(loss, q_leaf)
+    if in_place:
+        return token_fn.backward_in_place(logits32, grad_q, *extra_args), loss, aux
+    with torch.enable_grad():
+        return _chunk_logit_grad(q, logits32, grad_q), loss, aux
+
+
 def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_len, grads):
     loss = torch.zeros((), device=rows.x.device, dtype=torch.float32)
     metrics = []
@@ -393,13 +458,12 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
         ref_args = rows.token_fn_ref_args(row_ranges)
         # Only the float32 copy of the logits stays alive (the input-dtype GEMM output is dropped).
         logits32 = rows.logits(row_ranges, x_rows).float()
-        with torch.enable_grad():
-            logits32.requires_grad_(True)
-            q = token_fn(logits32, *ref_args, *targs)
-            chunk_loss, chunk_metrics = group_fn(_as_float64(q.view(-1, seq_len, q.shape[-1])), _as_float64(q_ref),
-                                                 *gargs)
-            grad_logits = _chunk_logit_grad(chunk_loss, logits32)
-        del logits32, q, ref_args
+
+        def loss_of_q(q, q_ref=q_ref, gargs=gargs):
+            return group_fn(_as_float64(q.view(-1, seq_len, q.shape[-1])), _as_float64(q_ref), *gargs)
+
+        grad_logits, chunk_loss, chunk_metrics = _chunk_grad_via_q(token_fn, logits32, (*ref_args, *targs), loss_of_q)
+        del logits32, ref_args
         loss += chunk_loss.detach().float()
         metrics.append(tuple(m.detach() for m in chunk_metrics))
         box = [grad_logits]
@@ -423,13 +487,16 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
         grad_q = _rows(_chunk_logit_grad(loss, q_all))
     for row_ranges in plan.row_ranges:
         x_rows = _gather(rows.x, row_ranges)
-        ref_args = rows.token_fn_ref_args(row_ranges)
+        extra_args = (*rows.token_fn_ref_args(row_ranges), *(_gather(t, row_ranges) for t in rows.token_args))
         logits32 = rows.logits(row_ranges, x_rows).float()
-        with torch.enable_grad():
-            logits32.requires_grad_(True)
-            q = token_fn(logits32, *ref_args, *(_gather(t, row_ranges) for t in rows.token_args))
-            grad_logits = _chunk_logit_grad(q, logits32, _gather(grad_q, row_ranges))
-        del logits32, q, ref_args
+        grad_chunk = _gather(grad_q, row_ranges)
+        if hasattr(token_fn, "backward_in_place"):
+            grad_logits = token_fn.backward_in_place(logits32, grad_chunk, *extra_args)
+        else:
+            with torch.enable_grad():
+                logits32.requires_grad_(True)
+                grad_logits = _chunk_logit_grad(token_fn(logits32, *extra_args), logits32, grad_chunk)
+        del logits32, extra_args
         box = [grad_logits]
         del grad_logits
         grads.add(box, x_rows, rows.write_grad_x(grads, row_ranges))
