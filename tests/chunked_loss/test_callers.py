@@ -106,3 +106,22 @@ def test_bad_arguments_raise():
         LigerFusedLinearDPOLoss(use_ref_model=False)(weight, x, target[:, :2], bias)
     with pytest.raises(ValueError, match="preference_labels"):
         LigerFusedLinearKTOLoss()(x, weight, target, bias)
+
+
+def test_under_autocast_like_a_mixed_precision_trainer():
+    """fp32 parameters and hidden states under bf16 autocast: the head runs in bf16 (as F.linear
+    would), the gradients come back in fp32, equal to those of the same call on bf16 casts."""
+    x, weight, bias, target = make_batch(4, 5, 16, 37, torch.float32, with_bias=True)
+    ref_x, ref_w, ref_b = make_ref_head(x, weight, bias)
+    loss_fn = LigerFusedLinearDPOLoss(beta=0.2)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss, _ = loss_fn(leaves[1], leaves[0], target, leaves[2], ref_x, ref_w, ref_b)
+    loss.backward()
+    cast = [t.bfloat16().requires_grad_() for t in (x, weight, bias)]
+    expected, _ = loss_fn(cast[1], cast[0], target, cast[2], ref_x.bfloat16(), ref_w.bfloat16(), ref_b.bfloat16())
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(leaves, cast):
+        assert got.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad, want.grad.float())

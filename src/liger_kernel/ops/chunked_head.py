@@ -148,6 +148,16 @@ def check_head_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             raise TypeError(f"{bias_name} must match {x_name}'s dtype and device ({x.dtype}, {x.device})")
 
 
+def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
+    """The floating tensors cast to the autocast dtype where autocast is on for their device
+    (what ``F.linear`` would multiply), others unchanged."""
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
 def _check_side(tensors: Sequence[torch.Tensor], leading: tuple[int, ...], device: torch.device, what: str) -> None:
     for i, t in enumerate(tensors):
         check_tensor(t, f"{what}[{i}]")
@@ -304,8 +314,12 @@ def chunked_head_loss_and_grads(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], HeadGrads]:
     """The loss, its metrics and (dx, dW, db) for a unit upstream gradient (see the module docstring).
 
-    ``needs`` says which of (dx, dW, db) to compute. Arguments are checked.
+    ``needs`` says which of (dx, dW, db) to compute. Arguments are checked. Under
+    ``torch.autocast`` the heads' operands are cast to the autocast dtype first (as ``F.linear``
+    would be) and the gradients cast back to the operands' own dtypes.
     """
+    original_dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+    x, weight, bias, ref_x, ref_weight, ref_bias = autocast_operands(x, weight, bias, ref_x, ref_weight, ref_bias)
     check_head_args(x, weight, bias)
     n_groups, seq_len, _ = x.shape
     if paired and n_groups % 2:
@@ -340,7 +354,12 @@ def chunked_head_loss_and_grads(
             loss, metrics = _one_pass(rows, plan, token_fn, group_fn, group_args, seq_len, grads)
         else:
             loss, metrics = _two_passes(rows, plan, token_fn, group_fn, group_args, (n_groups, seq_len), grads)
-    return loss.detach().float(), tuple(_as_float32(m.detach()) for m in metrics), grads.result(bias)
+    result = grads.result(bias)
+    for name, dtype in zip(("x", "weight", "bias"), original_dtypes):
+        grad = getattr(result, name)
+        if grad is not None and grad.dtype != dtype:
+            setattr(result, name, grad.to(dtype))
+    return loss.detach().float(), tuple(_as_float32(m.detach()) for m in metrics), result
 
 
 class _Rows:
