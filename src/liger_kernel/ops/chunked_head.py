@@ -16,14 +16,15 @@ given as two functions:
   ``token_args`` tensors (B, T, ...) sliced to the same R rows (flattened to (R, ...)).
   Differentiable in ``z``; rows must not interact (row r of ``q`` depends on row r of ``z``).
 * ``group_fn(q, q_ref, *group_args) -> (loss, metrics)``: ``q`` (G, T, K) of G whole groups,
-  upcast to float64 (the sequence-level math costs nothing next to the logits, and float64 keeps
-  cancellations such as ``1 - sigmoid(9)`` from eating float32 digits), ``q_ref`` the same quantities of the second head or None, ``group_args`` tensors (B, ...)
-  sliced to the same groups. ``loss`` is a 0-d tensor, differentiable in ``q``, returned as
+  upcast to float64 (the sequence-level math costs nothing next to the logits, and float64
+  keeps cancellations such as ``1 - sigmoid(9)`` from eating float32 digits), ``q_ref`` the
+  same quantities of the second head or None, ``group_args`` tensors (B, ...) sliced to the
+  same groups. ``loss`` is a 0-d tensor, differentiable in ``q``, returned as
   float32; ``metrics`` a tuple of tensors (detached, float64 ones cast to float32, on return).
 
 The loss is ``L = group_fn(token_fn(Z))`` over the whole batch. By the chain rule, with
-``G = dL/dZ`` (B*T, V) (obtained exactly, by autograd through the two functions, chunk by
-chunk)::
+``G = dL/dZ`` (B*T, V) (exact: ``c = dL/dq`` by autograd through ``group_fn``, then pulled
+back through ``token_fn`` chunk by chunk)::
 
     dL/dx = G W          (B*T, D)
     dL/dW = G^T x        (V, D)
@@ -35,9 +36,9 @@ into whole groups and adding the losses gives the loss of the whole batch (norma
 batch beforehand and closed over), 0-d metrics add up the same way, and every metric with a
 leading dimension has one entry per group (per pair when ``paired``) in group order. Such a
 loss runs in **one pass**: each chunk of whole groups computes its logits (in the input dtype,
-fp32 accumulation), upcasts them to float32, evaluates ``token_fn`` and ``group_fn`` and
-differentiates to get its ``G``, then ``dx`` rows are written (``G W``), ``dW += G^T x`` and
-``db += sum G`` are accumulated. When one group's rows exceed the chunk (long sequences), or
+fp32 accumulation), upcasts them to float32, evaluates ``token_fn`` and ``group_fn``, forms
+its ``G``, then writes its ``dx`` rows (``G W``) and accumulates ``dW += G^T x`` and
+``db += sum G``. When one group's rows exceed the chunk (long sequences), or
 the loss is not additive (e.g. it sorts over the batch), the engine runs **two passes** over
 row chunks that need not respect groups: the first computes ``q`` (and ``q_ref``) under
 no_grad; ``group_fn`` then runs once on the whole batch (B, T, K) and autograd gives
@@ -68,12 +69,15 @@ Chunk size: the float32 logits of a chunk stay within the fused linear cross ent
 (:func:`~liger_kernel.ops.fused_linear_cross_entropy.chunk_rows_for` at 4 bytes an element:
 the larger of its fixed budget and its fraction of the dW + dX bytes), as
 :class:`ChunkedHeadConfig`. A ``token_fn`` differentiated by autograd keeps a few tensors of
-that size (the upcast logits, a log-softmax, the gradient). Gradients are computed in the forward pass for a
-unit upstream gradient; backward only scales them (:mod:`liger_kernel.ops.scaling`).
+that size (the upcast logits, a log-softmax, the gradient). Gradients are computed in the
+forward pass for a unit upstream gradient; backward only scales them
+(:mod:`liger_kernel.ops.scaling`).
 
 Precision: logits are one GEMM in the input dtype with float32 accumulation (as an HF model's
 ``lm_head``), everything after is float32; ``G`` is rounded to the input dtype for the two
 gradient GEMMs, and dW accumulates over chunks in the weight dtype unless ``accum_fp32``.
+Under ``torch.autocast`` both heads run in the autocast dtype (as ``F.linear`` would) and the
+gradients are returned in the operands' own dtypes.
 """
 
 from __future__ import annotations
