@@ -60,10 +60,11 @@ rows ``z_ref`` (R, V') (no gradient flows to them) and ``q_ref`` is None.
 
 Each chunk's ``G`` is formed through ``c = dL/dq`` (autograd on the small (G, T, K) tensor),
 then pulled back through ``token_fn``: by autograd, or, for a ``token_fn`` with a closed-form
-``backward_in_place(z, c, *args)`` (:class:`TargetLogProbs`: the label log-probabilities every
-preference and RL loss reads), written over the chunk's float32 logits, so that a chunk holds
-one float32 (C, V) buffer (plus the input-dtype copy of ``G`` for the GEMMs) instead of
-autograd's saved log-softmax and gradient.
+``forward_in_place(z, *args) -> q`` / ``grad_in_place(z, c, *args) -> G`` pair
+(:class:`TargetLogProbs`: the label log-probabilities every preference and RL loss reads),
+computed in the chunk's float32 logits buffer, so that a chunk holds that one (C, V) buffer
+(plus the input-dtype copy of ``G`` for the GEMMs) instead of autograd's saved log-softmax
+and gradient.
 
 Chunk size: the float32 logits of a chunk stay within the fused linear cross entropy's budget
 (:func:`~liger_kernel.ops.fused_linear_cross_entropy.chunk_rows_for` at 4 bytes an element:
@@ -397,8 +398,7 @@ class _Rows:
         """The second head's ``token_fn`` quantities (None without one, or where ``token_fn`` takes its logits)."""
         if self.ref_weight is None or self.ref_logits_to_token_fn:
             return None
-        with torch.no_grad():
-            return token_fn(self.ref_logits(ranges), *targs).detach()
+        return _quantities(token_fn, self.ref_logits(ranges), targs)
 
     def write_grad_x(self, grads: _GradAccumulator, ranges: Ranges):
         def write(dx_rows: torch.Tensor) -> None:
@@ -420,9 +420,10 @@ class TargetLogProbs:
 
         dL/dz = -(sum_j c_j) softmax(z) + sum_j c_j onehot(l_j) + c_J
 
-    (ignored labels contribute nothing) is written over the float32 logits by
-    :meth:`backward_in_place`, so a chunk needs no autograd buffers beyond its logits (the
-    engine uses it whenever a ``token_fn`` has that method). Also differentiable by autograd.
+    (ignored labels contribute nothing). :meth:`forward_in_place` computes ``q`` and leaves
+    ``softmax(z)`` in the logits' buffer, :meth:`grad_in_place` then turns it into ``dL/dz``:
+    a chunk needs no buffer beyond its float32 logits (the engine takes this path whenever a
+    ``token_fn`` has both methods). Calling the object computes ``q`` out of place, differentiably.
     """
 
     def __init__(self, ignore_index: int):
@@ -438,9 +439,19 @@ class TargetLogProbs:
         columns = [(logits.gather(-1, index).squeeze(-1) - lse) * counted for counted, index in self._labels(labels)]
         return torch.stack([*columns, logits.sum(-1)], dim=-1)
 
-    def backward_in_place(self, logits: torch.Tensor, grad_q: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        grad_q = grad_q.to(logits.dtype)
-        probs = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
+    def forward_in_place(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        """``q`` as :meth:`__call__`; ``logits`` (R, V) float32 is overwritten with ``softmax(logits)``."""
+        picked = [(logits.gather(-1, index).squeeze(-1), counted) for counted, index in self._labels(labels)]
+        row_sum = logits.sum(-1)
+        row_max = logits.amax(-1, keepdim=True)
+        exp_sum = logits.sub_(row_max).exp_().sum(-1, keepdim=True)
+        logits.div_(exp_sum)
+        lse = (row_max + exp_sum.log()).squeeze(-1)
+        return torch.stack([*((z - lse) * counted for z, counted in picked), row_sum], dim=-1)
+
+    def grad_in_place(self, probs: torch.Tensor, grad_q: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        """``dL/dz`` written over ``probs`` (the softmax :meth:`forward_in_place` left) for ``grad_q`` (R, J + 1)."""
+        grad_q = grad_q.to(probs.dtype)
         coefficients = [(grad_q[:, j] * counted, index) for j, (counted, index) in enumerate(self._labels(labels))]
         total = sum((c for c, _ in coefficients), torch.zeros_like(grad_q[:, 0]))
         probs.mul_(-total.unsqueeze(-1))
@@ -449,21 +460,48 @@ class TargetLogProbs:
         return probs.add_(grad_q[:, -1:])
 
 
+def _in_place(token_fn) -> bool:
+    return hasattr(token_fn, "forward_in_place") and hasattr(token_fn, "grad_in_place")
+
+
+def _quantities(token_fn, logits32: torch.Tensor, extra_args) -> torch.Tensor:
+    """``token_fn``'s quantities without gradient; the logits may be consumed."""
+    with torch.no_grad():
+        if _in_place(token_fn):
+            return token_fn.forward_in_place(logits32, *extra_args)
+        return token_fn(logits32, *extra_args)
+
+
+def _pull_back(token_fn, logits32, extra_args, grad_q) -> torch.Tensor:
+    """``dL/dz`` of a chunk from its fresh float32 logits and ``dL/dq``."""
+    if _in_place(token_fn):
+        with torch.no_grad():
+            token_fn.forward_in_place(logits32, *extra_args)
+            return token_fn.grad_in_place(logits32, grad_q, *extra_args)
+    with torch.enable_grad():
+        logits32.requires_grad_(True)
+        return _chunk_logit_grad(token_fn(logits32, *extra_args), logits32, grad_q)
+
+
 def _chunk_grad_via_q(token_fn, logits32, extra_args, loss_of_q):
     """A chunk's logit gradient through ``dL/dq``: ``loss_of_q(q) -> (loss, aux)`` is
     differentiated with respect to the (R, K) quantities only, then pulled back through
-    ``token_fn`` in place (``backward_in_place``) or by autograd. Returns (grad, loss, aux)."""
-    in_place = hasattr(token_fn, "backward_in_place")
+    ``token_fn`` in place (``forward_in_place`` / ``grad_in_place``) or by autograd.
+    Returns (grad, loss, aux)."""
+    in_place = _in_place(token_fn)
     with torch.no_grad() if in_place else torch.enable_grad():
-        if not in_place:
+        if in_place:
+            q = token_fn.forward_in_place(logits32, *extra_args)
+        else:
             logits32.requires_grad_(True)
-        q = token_fn(logits32, *extra_args)
+            q = token_fn(logits32, *extra_args)
     with torch.enable_grad():
         q_leaf = q.detach().requires_grad_(True)
         loss, aux = loss_of_q(q_leaf)
         grad_q = _chunk_logit_grad(loss, q_leaf)
     if in_place:
-        return token_fn.backward_in_place(logits32, grad_q, *extra_args), loss, aux
+        with torch.no_grad():
+            return token_fn.grad_in_place(logits32, grad_q, *extra_args), loss, aux
     with torch.enable_grad():
         return _chunk_logit_grad(q, logits32, grad_q), loss, aux
 
@@ -499,8 +537,8 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
     q_parts, q_ref_parts = [], []
     for row_ranges in plan.row_ranges:
         targs = [_gather(t, row_ranges) for t in rows.token_args]
-        with torch.no_grad():
-            q_parts.append(token_fn(rows.logits(row_ranges).float(), *rows.token_fn_ref_args(row_ranges), *targs))
+        q_parts.append(_quantities(token_fn, rows.logits(row_ranges).float(), (*rows.token_fn_ref_args(row_ranges),
+                                                                              *targs)))
         q_ref_parts.append(rows.ref_quantities(row_ranges, token_fn, targs))
     q_all = torch.cat(q_parts).view(*batch_shape, -1)
     q_ref = torch.cat(q_ref_parts).view(*batch_shape, -1) if q_ref_parts[0] is not None else None
@@ -512,13 +550,7 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
         x_rows = _gather(rows.x, row_ranges)
         extra_args = (*rows.token_fn_ref_args(row_ranges), *(_gather(t, row_ranges) for t in rows.token_args))
         logits32 = rows.logits(row_ranges, x_rows).float()
-        grad_chunk = _gather(grad_q, row_ranges)
-        if hasattr(token_fn, "backward_in_place"):
-            grad_logits = token_fn.backward_in_place(logits32, grad_chunk, *extra_args)
-        else:
-            with torch.enable_grad():
-                logits32.requires_grad_(True)
-                grad_logits = _chunk_logit_grad(token_fn(logits32, *extra_args), logits32, grad_chunk)
+        grad_logits = _pull_back(token_fn, logits32, extra_args, _gather(grad_q, row_ranges))
         del logits32, extra_args
         box = [grad_logits]
         del grad_logits
