@@ -412,13 +412,14 @@ class _Rows:
 
 class TargetLogProbs:
     """A ``token_fn`` with a closed-form, in-place backward: per row, the log-probabilities of
-    given labels and the row sum of the logits, (R, J + 1) float32 columns::
+    given labels at temperature ``tau`` and the row sum of the logits, (R, J + 1) float32 columns::
 
-        q_j = z[l_j] - logsumexp(z)   (0 where l_j == ignore_index),  j < J;     q_J = sum_v z_v
+        s = z / tau
+        q_j = s[l_j] - logsumexp(s)   (0 where l_j == ignore_index),  j < J;     q_J = sum_v z_v
 
     for label tensors ``l_0 .. l_{J-1}`` (R,). Its vector-Jacobian product with ``c = dL/dq``::
 
-        dL/dz = -(sum_j c_j) softmax(z) + sum_j c_j onehot(l_j) + c_J
+        dL/dz = (-(sum_j c_j) softmax(s) + sum_j c_j onehot(l_j)) / tau + c_J
 
     (ignored labels contribute nothing). :meth:`forward_in_place` computes ``q`` and leaves
     ``softmax(z)`` in the logits' buffer, :meth:`grad_in_place` then turns it into ``dL/dz``:
@@ -426,8 +427,11 @@ class TargetLogProbs:
     ``token_fn`` has both methods). Calling the object computes ``q`` out of place, differentiably.
     """
 
-    def __init__(self, ignore_index: int):
+    def __init__(self, ignore_index: int, temperature: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
         self.ignore_index = ignore_index
+        self.temperature = float(temperature)
 
     def _labels(self, labels):
         for lab in labels:
@@ -435,14 +439,17 @@ class TargetLogProbs:
             yield counted, torch.where(counted, lab, 0).long().unsqueeze(-1)
 
     def __call__(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits, dim=-1)
-        columns = [(logits.gather(-1, index).squeeze(-1) - lse) * counted for counted, index in self._labels(labels)]
+        scaled = logits / self.temperature if self.temperature != 1.0 else logits
+        lse = torch.logsumexp(scaled, dim=-1)
+        columns = [(scaled.gather(-1, index).squeeze(-1) - lse) * counted for counted, index in self._labels(labels)]
         return torch.stack([*columns, logits.sum(-1)], dim=-1)
 
     def forward_in_place(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        """``q`` as :meth:`__call__`; ``logits`` (R, V) float32 is overwritten with ``softmax(logits)``."""
-        picked = [(logits.gather(-1, index).squeeze(-1), counted) for counted, index in self._labels(labels)]
+        """``q`` as :meth:`__call__`; ``logits`` (R, V) float32 is overwritten with ``softmax(logits / tau)``."""
         row_sum = logits.sum(-1)
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
+        picked = [(logits.gather(-1, index).squeeze(-1), counted) for counted, index in self._labels(labels)]
         row_max = logits.amax(-1, keepdim=True)
         exp_sum = logits.sub_(row_max).exp_().sum(-1, keepdim=True)
         logits.div_(exp_sum)
@@ -457,6 +464,8 @@ class TargetLogProbs:
         probs.mul_(-total.unsqueeze(-1))
         for c, index in coefficients:
             probs.scatter_add_(-1, index, c.unsqueeze(-1))
+        if self.temperature != 1.0:
+            probs.div_(self.temperature)
         return probs.add_(grad_q[:, -1:])
 
 
