@@ -29,7 +29,7 @@ from benchmarks.harness import MODES, PROVIDERS  # harness imports torch, not tr
 from benchmarks.peers import PEER_NAMES, UPSTREAM
 
 OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "jsd",
-       "grpo", "fused_linear_jsd")
+       "dpo", "grpo", "fused_linear_jsd")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -129,11 +129,13 @@ def load_specs(ops: tuple[str, ...]):
         bench_distillation,
         bench_gated_mlp,
         bench_norms,
+        bench_post_training,
         bench_rl_distillation,
         bench_rope,
     )
 
-    modules = (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy, bench_distillation, bench_rl_distillation)
+    modules = (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy, bench_distillation, bench_post_training,
+               bench_rl_distillation)
     specs = {s.name: s for m in modules for s in m.SPECS}
     return [specs[name] for name in ops]
 

@@ -52,16 +52,28 @@ def engine_logits(x, weight, bias, plan):
     return out.view(n_groups, seq_len, -1)
 
 
-def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None):
+def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32_at_engine_logits=False):
     """Float64 (loss, aux, grads, bounds) of ``loss_of_logits(logits64, ref_logits64) -> (loss, aux, q)``,
     ``q`` the per-token quantities (B, T, K) the loss is a function of.
 
     fp32: autograd through the float64 GEMM; ``bounds`` are then the per-entry float32
-    cancellation allowances (see :func:`fp32_cancellation`). Low precision: at the engine's
-    rounded logits, with the componentwise bounds of the module docstring.
+    cancellation allowances (see :func:`fp32_cancellation`). With ``fp32_at_engine_logits`` the
+    float64 loss is taken at the engine's float32 logits instead, for losses whose slope varies
+    fast with the log-probs (DiscoPOP's ``sigmoid(x / 0.05)``): there the float32 GEMM's
+    rounding of each logit, summed over a sequence, moves the gradient by more than float32
+    tolerances, and what is tested is everything after that GEMM, as for bf16. Low precision:
+    at the engine's rounded logits, with the componentwise bounds of the module docstring.
     """
     x64, w64 = x.detach().double(), weight.detach().double()
     b64 = bias.detach().double() if bias is not None else None
+    if x.dtype == torch.float32 and fp32_at_engine_logits:
+        logits = engine_logits(x, weight, bias, plan).double().requires_grad_()
+        loss, aux, q = loss_of_logits(logits, ref_logits)
+        g, grad_q = torch.autograd.grad(loss, [logits, q], allow_unused=True)
+        grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+        g = g.reshape(-1, g.shape[-1])
+        grads = [(g @ w64).view_as(x64), g.t() @ x64.reshape(-1, x64.shape[-1]), g.sum(0)]
+        return loss.detach(), aux, grads, fp32_cancellation(grad_q, x64, w64, weight.shape[0])
     if x.dtype == torch.float32:
         leaves = [t.clone().requires_grad_() for t in (x64, w64) + ((b64,) if b64 is not None else ())]
         logits = leaves[0] @ leaves[1].t() + (leaves[2] if b64 is not None else 0)

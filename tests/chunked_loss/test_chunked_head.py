@@ -176,3 +176,32 @@ def test_bad_arguments_raise():
         chunked_head_loss(x, weight.bfloat16(), None, token_quantities, group_fn, (target,))
     with pytest.raises(ValueError, match="token_args"):
         chunked_head_loss(x, weight, bias, token_quantities, group_fn, (target[:, :1],))
+
+
+@pytest.mark.parametrize("n_labels, temperature", [(1, 1.0), (2, 0.7)])
+def test_target_log_probs_in_place_matches_autograd(n_labels, temperature):
+    """The closed-form in-place forward and backward against float64 autograd of the same quantities."""
+    from liger_kernel.ops.chunked_head import TargetLogProbs
+
+    rows, vocab = 13, 97
+    logits = torch.randn(rows, vocab, device=DEVICE) * 4
+    labels = [torch.randint(0, vocab, (rows,), device=DEVICE) for _ in range(n_labels)]
+    for lab in labels:
+        lab[torch.rand(rows, device=DEVICE) < 0.3] = IGNORE
+    grad_q = torch.randn(rows, n_labels + 1, device=DEVICE)
+    token_fn = TargetLogProbs(IGNORE, temperature)
+    z64 = logits.double().requires_grad_()
+    q64 = token_fn(z64, *labels)
+    # Written out: log softmax at the temperature, and the raw row sum.
+    logp = (z64 / temperature).log_softmax(-1)
+    for j, lab in enumerate(labels):
+        expected = logp.gather(-1, lab.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (lab != IGNORE)
+        torch.testing.assert_close(q64[:, j], expected)
+    torch.testing.assert_close(q64[:, -1], z64.sum(-1))
+    (g64,) = torch.autograd.grad(q64, z64, grad_q.double())
+    buffer = logits.clone()
+    q = token_fn.forward_in_place(buffer, *labels)
+    torch.testing.assert_close(q.double(), q64.detach(), atol=1e-5, rtol=1e-6)
+    g = token_fn.grad_in_place(buffer, grad_q, *labels)
+    assert g.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(g.double(), g64, atol=1e-6 * float(g64.abs().max()), rtol=1e-5)

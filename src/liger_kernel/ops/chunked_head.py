@@ -16,13 +16,15 @@ given as two functions:
   ``token_args`` tensors (B, T, ...) sliced to the same R rows (flattened to (R, ...)).
   Differentiable in ``z``; rows must not interact (row r of ``q`` depends on row r of ``z``).
 * ``group_fn(q, q_ref, *group_args) -> (loss, metrics)``: ``q`` (G, T, K) of G whole groups,
-  ``q_ref`` the same quantities of the second head or None, ``group_args`` tensors (B, ...)
-  sliced to the same groups. ``loss`` is a 0-d float32 tensor, differentiable in ``q``;
-  ``metrics`` a tuple of tensors (detached on return).
+  upcast to float64 (the sequence-level math costs nothing next to the logits, and float64
+  keeps cancellations such as ``1 - sigmoid(9)`` from eating float32 digits), ``q_ref`` the
+  same quantities of the second head or None, ``group_args`` tensors (B, ...) sliced to the
+  same groups. ``loss`` is a 0-d tensor, differentiable in ``q``, returned as
+  float32; ``metrics`` a tuple of tensors (detached, float64 ones cast to float32, on return).
 
 The loss is ``L = group_fn(token_fn(Z))`` over the whole batch. By the chain rule, with
-``G = dL/dZ`` (B*T, V) (obtained exactly, by autograd through the two functions, chunk by
-chunk)::
+``G = dL/dZ`` (B*T, V) (exact: ``c = dL/dq`` by autograd through ``group_fn``, then pulled
+back through ``token_fn`` chunk by chunk)::
 
     dL/dx = G W          (B*T, D)
     dL/dW = G^T x        (V, D)
@@ -34,9 +36,9 @@ into whole groups and adding the losses gives the loss of the whole batch (norma
 batch beforehand and closed over), 0-d metrics add up the same way, and every metric with a
 leading dimension has one entry per group (per pair when ``paired``) in group order. Such a
 loss runs in **one pass**: each chunk of whole groups computes its logits (in the input dtype,
-fp32 accumulation), upcasts them to float32, evaluates ``token_fn`` and ``group_fn`` and
-differentiates to get its ``G``, then ``dx`` rows are written (``G W``), ``dW += G^T x`` and
-``db += sum G`` are accumulated. When one group's rows exceed the chunk (long sequences), or
+fp32 accumulation), upcasts them to float32, evaluates ``token_fn`` and ``group_fn``, forms
+its ``G``, then writes its ``dx`` rows (``G W``) and accumulates ``dW += G^T x`` and
+``db += sum G``. When one group's rows exceed the chunk (long sequences), or
 the loss is not additive (e.g. it sorts over the batch), the engine runs **two passes** over
 row chunks that need not respect groups: the first computes ``q`` (and ``q_ref``) under
 no_grad; ``group_fn`` then runs once on the whole batch (B, T, K) and autograd gives
@@ -56,16 +58,27 @@ distributions row by row (distillation: JSD, KL) set ``ref_logits_to_token_fn``:
 is then called as ``token_fn(z, z_ref, *token_args)`` with the second head's float32 logits
 rows ``z_ref`` (R, V') (no gradient flows to them) and ``q_ref`` is None.
 
+Each chunk's ``G`` is formed through ``c = dL/dq`` (autograd on the small (G, T, K) tensor),
+then pulled back through ``token_fn``: by autograd, or, for a ``token_fn`` with a closed-form
+``forward_in_place(z, *args) -> q`` / ``grad_in_place(z, c, *args) -> G`` pair
+(:class:`TargetLogProbs`: the label log-probabilities every preference and RL loss reads),
+computed in the chunk's float32 logits buffer, so that a chunk holds that one (C, V) buffer
+(plus the input-dtype copy of ``G`` for the GEMMs) instead of autograd's saved log-softmax
+and gradient.
+
 Chunk size: the float32 logits of a chunk stay within the fused linear cross entropy's budget
 (:func:`~liger_kernel.ops.fused_linear_cross_entropy.chunk_rows_for` at 4 bytes an element:
 the larger of its fixed budget and its fraction of the dW + dX bytes), as
-:class:`ChunkedHeadConfig`. Autograd inside a chunk keeps a few tensors of that size (the
-upcast logits, a log-softmax, the gradient). Gradients are computed in the forward pass for a
-unit upstream gradient; backward only scales them (:mod:`liger_kernel.ops.scaling`).
+:class:`ChunkedHeadConfig`. A ``token_fn`` differentiated by autograd keeps a few tensors of
+that size (the upcast logits, a log-softmax, the gradient). Gradients are computed in the
+forward pass for a unit upstream gradient; backward only scales them
+(:mod:`liger_kernel.ops.scaling`).
 
 Precision: logits are one GEMM in the input dtype with float32 accumulation (as an HF model's
 ``lm_head``), everything after is float32; ``G`` is rounded to the input dtype for the two
 gradient GEMMs, and dW accumulates over chunks in the weight dtype unless ``accum_fp32``.
+Under ``torch.autocast`` both heads run in the autocast dtype (as ``F.linear`` would) and the
+gradients are returned in the operands' own dtypes.
 """
 
 from __future__ import annotations
@@ -140,6 +153,16 @@ def check_head_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             raise TypeError(f"{bias_name} must match {x_name}'s dtype and device ({x.dtype}, {x.device})")
 
 
+def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
+    """The floating tensors cast to the autocast dtype where autocast is on for their device
+    (what ``F.linear`` would multiply), others unchanged."""
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
 def _check_side(tensors: Sequence[torch.Tensor], leading: tuple[int, ...], device: torch.device, what: str) -> None:
     for i, t in enumerate(tensors):
         check_tensor(t, f"{what}[{i}]")
@@ -210,6 +233,16 @@ def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_
     return ChunkPlan(False, rows, ())
 
 
+def _as_float64(q: torch.Tensor | None) -> torch.Tensor | None:
+    # Sequence-level math runs on (G, T, K) tensors, negligible next to the logits: float64
+    # there keeps cancellations such as 1 - sigmoid(9) (KTO, APO) from costing float32 digits.
+    return q.double() if q is not None else None
+
+
+def _as_float32(m: torch.Tensor) -> torch.Tensor:
+    return m.float() if m.dtype == torch.float64 else m
+
+
 def _chunk_logit_grad(loss: torch.Tensor, logits: torch.Tensor, outputs_grad: torch.Tensor | None = None):
     """``d loss / d logits`` (zeros where the loss does not depend on them)."""
     if not loss.requires_grad:
@@ -233,14 +266,18 @@ class _GradAccumulator:
         self.grad_b = torch.zeros(weight.shape[0], device=x.device, dtype=torch.float32) \
             if (need_b and bias is not None) else None
 
-    def add(self, grad_logits: torch.Tensor, x_rows: torch.Tensor, write_x: Callable[[torch.Tensor], None]):
+    def add(self, grad_box: list[torch.Tensor], x_rows: torch.Tensor, write_x: Callable[[torch.Tensor], None]):
+        """Consume a chunk's float32 logit gradient, handed over as ``[grad]`` so that it can be
+        freed once rounded to the input dtype (before the two GEMMs)."""
+        grad_logits = grad_box.pop()
+        if self.grad_b is not None:
+            self.grad_b.add_(grad_logits.sum(0))
         g = grad_logits.to(self.x_dtype)
+        del grad_logits
         if self.grad_x is not None:
             write_x(torch.matmul(g, self.weight))
         if self.grad_w is not None:
             accumulate_grad_weight(self.grad_w, g, x_rows, first=False)
-        if self.grad_b is not None:
-            self.grad_b.add_(grad_logits.sum(0))
 
     def result(self, bias) -> HeadGrads:
         grad_w = self.grad_w
@@ -282,8 +319,12 @@ def chunked_head_loss_and_grads(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], HeadGrads]:
     """The loss, its metrics and (dx, dW, db) for a unit upstream gradient (see the module docstring).
 
-    ``needs`` says which of (dx, dW, db) to compute. Arguments are checked.
+    ``needs`` says which of (dx, dW, db) to compute. Arguments are checked. Under
+    ``torch.autocast`` the heads' operands are cast to the autocast dtype first (as ``F.linear``
+    would be) and the gradients cast back to the operands' own dtypes.
     """
+    original_dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+    x, weight, bias, ref_x, ref_weight, ref_bias = autocast_operands(x, weight, bias, ref_x, ref_weight, ref_bias)
     check_head_args(x, weight, bias)
     n_groups, seq_len, _ = x.shape
     if paired and n_groups % 2:
@@ -311,14 +352,19 @@ def chunked_head_loss_and_grads(
         if n_rows == 0:
             empty = torch.zeros((0, n_cols), device=x.device)
             q = token_fn(empty, *rows.token_fn_ref_args(()), *rows.token_args)
-            q = q.reshape(n_groups, seq_len, q.shape[-1])
+            q = _as_float64(q.reshape(n_groups, seq_len, q.shape[-1]))
             q_ref = q.clone() if ref_weight is not None and not ref_logits_to_token_fn else None
             loss, metrics = group_fn(q, q_ref, *group_args)
         elif plan.one_pass:
             loss, metrics = _one_pass(rows, plan, token_fn, group_fn, group_args, seq_len, grads)
         else:
             loss, metrics = _two_passes(rows, plan, token_fn, group_fn, group_args, (n_groups, seq_len), grads)
-    return loss.detach().float(), tuple(m.detach() for m in metrics), grads.result(bias)
+    result = grads.result(bias)
+    for name, dtype in zip(("x", "weight", "bias"), original_dtypes):
+        grad = getattr(result, name)
+        if grad is not None and grad.dtype != dtype:
+            setattr(result, name, grad.to(dtype))
+    return loss.detach().float(), tuple(_as_float32(m.detach()) for m in metrics), result
 
 
 class _Rows:
@@ -352,8 +398,7 @@ class _Rows:
         """The second head's ``token_fn`` quantities (None without one, or where ``token_fn`` takes its logits)."""
         if self.ref_weight is None or self.ref_logits_to_token_fn:
             return None
-        with torch.no_grad():
-            return token_fn(self.ref_logits(ranges), *targs).detach()
+        return _quantities(token_fn, self.ref_logits(ranges), targs)
 
     def write_grad_x(self, grads: _GradAccumulator, ranges: Ranges):
         def write(dx_rows: torch.Tensor) -> None:
@@ -363,6 +408,111 @@ class _Rows:
                 flat[a:b] = dx_rows[offset: offset + b - a]
                 offset += b - a
         return write
+
+
+class TargetLogProbs:
+    """A ``token_fn`` with a closed-form, in-place backward: per row, the log-probabilities of
+    given labels at temperature ``tau`` and the row sum of the logits, (R, J + 1) float32 columns::
+
+        s = z / tau
+        q_j = s[l_j] - logsumexp(s)   (0 where l_j == ignore_index),  j < J;     q_J = sum_v z_v
+
+    for label tensors ``l_0 .. l_{J-1}`` (R,). Its vector-Jacobian product with ``c = dL/dq``::
+
+        dL/dz = (-(sum_j c_j) softmax(s) + sum_j c_j onehot(l_j)) / tau + c_J
+
+    (ignored labels contribute nothing). :meth:`forward_in_place` computes ``q`` and leaves
+    ``softmax(z)`` in the logits' buffer, :meth:`grad_in_place` then turns it into ``dL/dz``:
+    a chunk needs no buffer beyond its float32 logits (the engine takes this path whenever a
+    ``token_fn`` has both methods). Calling the object computes ``q`` out of place, differentiably.
+    """
+
+    def __init__(self, ignore_index: int, temperature: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.ignore_index = ignore_index
+        self.temperature = float(temperature)
+
+    def _labels(self, labels):
+        for lab in labels:
+            counted = lab != self.ignore_index
+            yield counted, torch.where(counted, lab, 0).long().unsqueeze(-1)
+
+    def __call__(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        scaled = logits / self.temperature if self.temperature != 1.0 else logits
+        lse = torch.logsumexp(scaled, dim=-1)
+        columns = [(scaled.gather(-1, index).squeeze(-1) - lse) * counted for counted, index in self._labels(labels)]
+        return torch.stack([*columns, logits.sum(-1)], dim=-1)
+
+    def forward_in_place(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        """``q`` as :meth:`__call__`; ``logits`` (R, V) float32 is overwritten with ``softmax(logits / tau)``."""
+        row_sum = logits.sum(-1)
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
+        picked = [(logits.gather(-1, index).squeeze(-1), counted) for counted, index in self._labels(labels)]
+        row_max = logits.amax(-1, keepdim=True)
+        exp_sum = logits.sub_(row_max).exp_().sum(-1, keepdim=True)
+        logits.div_(exp_sum)
+        lse = (row_max + exp_sum.log()).squeeze(-1)
+        return torch.stack([*((z - lse) * counted for z, counted in picked), row_sum], dim=-1)
+
+    def grad_in_place(self, probs: torch.Tensor, grad_q: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        """``dL/dz`` written over ``probs`` (the softmax :meth:`forward_in_place` left) for ``grad_q`` (R, J + 1)."""
+        grad_q = grad_q.to(probs.dtype)
+        coefficients = [(grad_q[:, j] * counted, index) for j, (counted, index) in enumerate(self._labels(labels))]
+        total = sum((c for c, _ in coefficients), torch.zeros_like(grad_q[:, 0]))
+        probs.mul_(-total.unsqueeze(-1))
+        for c, index in coefficients:
+            probs.scatter_add_(-1, index, c.unsqueeze(-1))
+        if self.temperature != 1.0:
+            probs.div_(self.temperature)
+        return probs.add_(grad_q[:, -1:])
+
+
+def _in_place(token_fn) -> bool:
+    return hasattr(token_fn, "forward_in_place") and hasattr(token_fn, "grad_in_place")
+
+
+def _quantities(token_fn, logits32: torch.Tensor, extra_args) -> torch.Tensor:
+    """``token_fn``'s quantities without gradient; the logits may be consumed."""
+    with torch.no_grad():
+        if _in_place(token_fn):
+            return token_fn.forward_in_place(logits32, *extra_args)
+        return token_fn(logits32, *extra_args)
+
+
+def _pull_back(token_fn, logits32, extra_args, grad_q) -> torch.Tensor:
+    """``dL/dz`` of a chunk from its fresh float32 logits and ``dL/dq``."""
+    if _in_place(token_fn):
+        with torch.no_grad():
+            token_fn.forward_in_place(logits32, *extra_args)
+            return token_fn.grad_in_place(logits32, grad_q, *extra_args)
+    with torch.enable_grad():
+        logits32.requires_grad_(True)
+        return _chunk_logit_grad(token_fn(logits32, *extra_args), logits32, grad_q)
+
+
+def _chunk_grad_via_q(token_fn, logits32, extra_args, loss_of_q):
+    """A chunk's logit gradient through ``dL/dq``: ``loss_of_q(q) -> (loss, aux)`` is
+    differentiated with respect to the (R, K) quantities only, then pulled back through
+    ``token_fn`` in place (``forward_in_place`` / ``grad_in_place``) or by autograd.
+    Returns (grad, loss, aux)."""
+    in_place = _in_place(token_fn)
+    with torch.no_grad() if in_place else torch.enable_grad():
+        if in_place:
+            q = token_fn.forward_in_place(logits32, *extra_args)
+        else:
+            logits32.requires_grad_(True)
+            q = token_fn(logits32, *extra_args)
+    with torch.enable_grad():
+        q_leaf = q.detach().requires_grad_(True)
+        loss, aux = loss_of_q(q_leaf)
+        grad_q = _chunk_logit_grad(loss, q_leaf)
+    if in_place:
+        with torch.no_grad():
+            return token_fn.grad_in_place(logits32, grad_q, *extra_args), loss, aux
+    with torch.enable_grad():
+        return _chunk_logit_grad(q, logits32, grad_q), loss, aux
 
 
 def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_len, grads):
@@ -376,17 +526,19 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
         if q_ref is not None:
             q_ref = q_ref.view(-1, seq_len, q_ref.shape[-1])
         ref_args = rows.token_fn_ref_args(row_ranges)
-        logits = rows.logits(row_ranges, x_rows)
-        with torch.enable_grad():
-            logits32 = logits.float().requires_grad_(True)
-            q = token_fn(logits32, *ref_args, *targs)
-            chunk_loss, chunk_metrics = group_fn(q.view(-1, seq_len, q.shape[-1]), q_ref, *gargs)
-            grad_logits = _chunk_logit_grad(chunk_loss, logits32)
-        del logits, logits32, q, ref_args
+        # Only the float32 copy of the logits stays alive (the input-dtype GEMM output is dropped).
+        logits32 = rows.logits(row_ranges, x_rows).float()
+
+        def loss_of_q(q, q_ref=q_ref, gargs=gargs):
+            return group_fn(_as_float64(q.view(-1, seq_len, q.shape[-1])), _as_float64(q_ref), *gargs)
+
+        grad_logits, chunk_loss, chunk_metrics = _chunk_grad_via_q(token_fn, logits32, (*ref_args, *targs), loss_of_q)
+        del logits32, ref_args
         loss += chunk_loss.detach().float()
         metrics.append(tuple(m.detach() for m in chunk_metrics))
-        grads.add(grad_logits, x_rows, rows.write_grad_x(grads, row_ranges))
+        box = [grad_logits]
         del grad_logits
+        grads.add(box, x_rows, rows.write_grad_x(grads, row_ranges))
     return loss, _merge_metrics(metrics)
 
 
@@ -394,26 +546,24 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
     q_parts, q_ref_parts = [], []
     for row_ranges in plan.row_ranges:
         targs = [_gather(t, row_ranges) for t in rows.token_args]
-        with torch.no_grad():
-            q_parts.append(token_fn(rows.logits(row_ranges).float(), *rows.token_fn_ref_args(row_ranges), *targs))
+        q_parts.append(_quantities(token_fn, rows.logits(row_ranges).float(), (*rows.token_fn_ref_args(row_ranges),
+                                                                              *targs)))
         q_ref_parts.append(rows.ref_quantities(row_ranges, token_fn, targs))
     q_all = torch.cat(q_parts).view(*batch_shape, -1)
     q_ref = torch.cat(q_ref_parts).view(*batch_shape, -1) if q_ref_parts[0] is not None else None
     with torch.enable_grad():
         q_all.requires_grad_(True)
-        loss, metrics = group_fn(q_all, q_ref, *group_args)
+        loss, metrics = group_fn(_as_float64(q_all), _as_float64(q_ref), *group_args)
         grad_q = _rows(_chunk_logit_grad(loss, q_all))
     for row_ranges in plan.row_ranges:
         x_rows = _gather(rows.x, row_ranges)
-        ref_args = rows.token_fn_ref_args(row_ranges)
-        logits = rows.logits(row_ranges, x_rows)
-        with torch.enable_grad():
-            logits32 = logits.float().requires_grad_(True)
-            q = token_fn(logits32, *ref_args, *(_gather(t, row_ranges) for t in rows.token_args))
-            grad_logits = _chunk_logit_grad(q, logits32, _gather(grad_q, row_ranges))
-        del logits, logits32, q, ref_args
-        grads.add(grad_logits, x_rows, rows.write_grad_x(grads, row_ranges))
+        extra_args = (*rows.token_fn_ref_args(row_ranges), *(_gather(t, row_ranges) for t in rows.token_args))
+        logits32 = rows.logits(row_ranges, x_rows).float()
+        grad_logits = _pull_back(token_fn, logits32, extra_args, _gather(grad_q, row_ranges))
+        del logits32, extra_args
+        box = [grad_logits]
         del grad_logits
+        grads.add(box, x_rows, rows.write_grad_x(grads, row_ranges))
     return loss, tuple(metrics)
 
 

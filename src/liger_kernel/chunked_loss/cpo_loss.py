@@ -1,0 +1,92 @@
+"""Contrastive Preference Optimization (CPO), fused with the linear head.
+
+Reference-free DPO on per-sequence log-probs ``c``, ``r`` (sums by default, means with
+``average_log_prob``), plus ``alpha * nll`` on the chosen tokens (when ``compute_nll_loss``).
+With ``d = c - r`` and TRL's CPO loss types::
+
+    sigmoid   -(1 - ls) log s(b d) - ls log s(-b d)
+    hinge     relu(1 - b d)
+    ipo       (d - 1 / (2 b))^2
+    simpo     sigmoid with d replaced by d - gamma / b   (gamma = simpo_gamma)
+
+averaged over the pairs. Extra metrics: ``chosen_rewards = b c``, ``rejected_rewards = b r``.
+TRL's AlphaPO reward transform (its CPO ``alpha``) is not implemented; ``alpha`` here weighs the
+NLL term, as in the best-known implementation of this API.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from liger_kernel.chunked_loss.fused_linear_preference import LigerFusedLinearPreferenceBase
+from liger_kernel.chunked_loss.simpo_loss import smoothed_logistic_loss
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+def check_cpo_loss_type(loss_type: str) -> None:
+    if loss_type not in CPO_LOSS_TYPES:
+        raise ValueError(f"Unsupported loss_type: {loss_type!r}; choose one of {', '.join(CPO_LOSS_TYPES)}")
+
+
+class LigerFusedLinearCPOFunction(LigerFusedLinearPreferenceBase):
+    @staticmethod
+    def preference_loss_fn(chosen_logps, rejected_logps, full_target, beta=0.1, label_smoothing=0.0,
+                           loss_type="sigmoid", simpo_gamma=0.5):
+        d = chosen_logps - rejected_logps
+        if loss_type == "sigmoid":
+            losses = smoothed_logistic_loss(beta * d, label_smoothing)
+        elif loss_type == "simpo":
+            losses = smoothed_logistic_loss(beta * d - simpo_gamma, label_smoothing)
+        elif loss_type == "hinge":
+            losses = F.relu(1 - beta * d)
+        elif loss_type == "ipo":
+            losses = (d - 1 / (2 * beta)) ** 2
+        else:
+            check_cpo_loss_type(loss_type)
+        return losses.sum() / (full_target.shape[0] // 2), beta * chosen_logps, beta * rejected_logps
+
+    @classmethod
+    def forward(cls, ctx, _input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0,
+                label_smoothing=0.0, compute_nll_loss=True, compiled=True, average_log_prob=False, chunk_size=1,
+                loss_type="sigmoid", simpo_gamma=0.5):
+        """Returns ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
+        chosen_rewards, rejected_rewards))``."""
+        check_cpo_loss_type(loss_type)
+        return super().forward(cls=cls, ctx=ctx, _input=_input, weight=weight, target=target, bias=bias,
+                               ignore_index=ignore_index, alpha=alpha, beta=beta, label_smoothing=label_smoothing,
+                               compute_nll_loss=compute_nll_loss, average_log_prob=average_log_prob,
+                               compiled=compiled, chunk_size=chunk_size, loss_type=loss_type,
+                               simpo_gamma=simpo_gamma)
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
+        return *grads, *(None,) * 10
+
+
+class LigerFusedLinearCPOLoss(torch.nn.Module):
+    """CPO loss fused with the linear head; called as ``(lin_weight, _input, target, bias)``."""
+
+    def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
+                 compute_nll_loss: bool = True, compiled: bool = True, average_log_prob: bool = False,
+                 chunk_size: int = 1, loss_type: str = "sigmoid", simpo_gamma: float = 0.5):
+        super().__init__()
+        check_cpo_loss_type(loss_type)
+        self.ignore_index = ignore_index
+        self.beta = beta
+        self.alpha = alpha
+        self.label_smoothing = label_smoothing
+        self.compute_nll_loss = compute_nll_loss
+        self.compiled = compiled
+        self.average_log_prob = average_log_prob
+        self.chunk_size = chunk_size
+        self.loss_type = loss_type
+        self.simpo_gamma = simpo_gamma
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return LigerFusedLinearCPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
+                                                 self.alpha, self.label_smoothing, self.compute_nll_loss,
+                                                 self.compiled, self.average_log_prob, self.chunk_size,
+                                                 self.loss_type, self.simpo_gamma)

@@ -1,0 +1,66 @@
+"""Simple Preference Optimization (SimPO), fused with the linear head.
+
+With per-sequence *average* log-probs ``c``, ``r`` (length-normalised rewards, no reference)::
+
+    h    = beta (c - r) - gamma
+    loss = mean_pairs [ -(1 - ls) log s(h) - ls log s(-h) ]  +  alpha * nll
+
+(``ls`` = label_smoothing; ``nll`` when ``compute_nll_loss``). Extra metrics:
+``chosen_rewards = beta c``, ``rejected_rewards = beta r`` (B/2,).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from liger_kernel.chunked_loss.fused_linear_preference import LigerFusedLinearPreferenceBase
+
+
+def smoothed_logistic_loss(h: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """``-(1 - ls) log s(h) - ls log s(-h)`` per pair."""
+    return -(1 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+
+
+class LigerFusedLinearSimPOFunction(LigerFusedLinearPreferenceBase):
+    @staticmethod
+    def preference_loss_fn(chosen_logps, rejected_logps, full_target, beta=0.1, gamma=0.5, label_smoothing=0.0):
+        h = beta * (chosen_logps - rejected_logps) - gamma
+        loss = smoothed_logistic_loss(h, label_smoothing).sum() / (full_target.shape[0] // 2)
+        return loss, beta * chosen_logps, beta * rejected_logps
+
+    @classmethod
+    def forward(cls, ctx, _input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0,
+                label_smoothing=0.0, compute_nll_loss=False, compiled=True, gamma=0.5, chunk_size=1):
+        """Returns ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
+        chosen_rewards, rejected_rewards))``."""
+        return super().forward(cls=cls, ctx=ctx, _input=_input, weight=weight, target=target, bias=bias,
+                               ignore_index=ignore_index, alpha=alpha, beta=beta, label_smoothing=label_smoothing,
+                               compute_nll_loss=compute_nll_loss, compiled=compiled, gamma=gamma,
+                               chunk_size=chunk_size, average_log_prob=True)
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
+        return *grads, *(None,) * 8
+
+
+class LigerFusedLinearSimPOLoss(torch.nn.Module):
+    """SimPO loss fused with the linear head; called as ``(lin_weight, _input, target, bias)``."""
+
+    def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
+                 compute_nll_loss: bool = True, compiled: bool = True, gamma: float = 0.5, chunk_size: int = 1):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.beta = beta
+        self.alpha = alpha
+        self.label_smoothing = label_smoothing
+        self.compute_nll_loss = compute_nll_loss
+        self.compiled = compiled
+        self.gamma = gamma
+        self.chunk_size = chunk_size
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return LigerFusedLinearSimPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
+                                                   self.alpha, self.label_smoothing, self.compute_nll_loss,
+                                                   self.compiled, self.gamma, self.chunk_size)

@@ -1,0 +1,389 @@
+"""Preference losses (DPO and TRL's loss types, ORPO, SimPO, CPO, KTO) against float64 references.
+
+The references materialise the float64 logits and follow the published formulas in TRL's form
+(per-sequence log-probs summed over the completion's counted tokens, or averaged where the
+method averages; tokens labelled -100 do not count; losses averaged over the batch's pairs,
+KTO's over its sequences). Every batch has ignored tokens and one sequence whose tokens are all
+ignored (not for ORPO, whose log-odds of a zero-token sequence are infinite), chunk boundaries
+inside the batch, and an upstream gradient other than 1. See ``tests/chunked_loss/reference.py``
+for the tolerances (the FLCE tests').
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liger_kernel.chunked_loss import (
+    LigerFusedLinearCPOLoss,
+    LigerFusedLinearDPOLoss,
+    LigerFusedLinearKTOLoss,
+    LigerFusedLinearORPOLoss,
+    LigerFusedLinearSimPOLoss,
+)
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig
+from liger_kernel.ops.config import override_launch_config
+from tests.chunked_loss.reference import (
+    assert_grads_match,
+    assert_loss_match,
+    engine_logits,
+    engine_plan,
+    reference_grads,
+)
+from tests.utils import DEVICE
+
+IGNORE = -100
+
+
+# --------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------
+
+
+def make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias, all_ignored=True, scale=2.0):
+    x = torch.randn(n_seqs, seq_len, hidden, device=DEVICE).to(dtype)
+    weight = (torch.randn(vocab, hidden, device=DEVICE) * scale / hidden**0.5).to(dtype)
+    bias = (torch.randn(vocab, device=DEVICE) * 0.5).to(dtype) if with_bias else None
+    target = torch.randint(0, vocab, (n_seqs, seq_len), device=DEVICE)
+    target[torch.rand(n_seqs, seq_len, device=DEVICE) < 0.3] = IGNORE
+    target[:, 0] = torch.randint(0, vocab, (n_seqs,), device=DEVICE)  # every sequence counts a token ...
+    if all_ignored and n_seqs > 2:
+        target[n_seqs - 1] = IGNORE  # ... except one, with every token ignored
+    return x, weight, bias, target
+
+
+def make_ref_head(x, weight, bias):
+    """A reference head near the policy's (so log-ratios are O(1), not O(T))."""
+    ref_x = (x.float() + 0.3 * torch.randn_like(x.float())).to(x.dtype)
+    ref_w = (weight.float() + 0.3 * weight.float().std() * torch.randn_like(weight.float())).to(weight.dtype)
+    ref_b = bias.detach().clone() if bias is not None else None
+    return ref_x, ref_w, ref_b
+
+
+def leaves_of(x, weight, bias):
+    return [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+
+
+# --------------------------------------------------------------------------------------
+# Float64 references (TRL's conventions)
+# --------------------------------------------------------------------------------------
+
+
+def token_logps(logits, labels):
+    """(B, T) log p(label) (0 where ignored), (B, T) counted mask."""
+    counted = labels != IGNORE
+    logp = logits.log_softmax(-1).gather(-1, torch.where(counted, labels, 0).unsqueeze(-1)).squeeze(-1)
+    return logp * counted, counted
+
+
+def seq_logps(tok, counted, average):
+    s = tok.sum(-1)
+    return s / counted.sum(-1).clamp_min(1) if average else s
+
+
+def reference_dpo_losses(c, r, beta, loss_type, ls, tau, n_c, n_r):
+    """TRL's DPOTrainer per-pair losses of the chosen/rejected log-ratios."""
+    d = c - r
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * d) * (1 - ls) - F.logsigmoid(-beta * d) * ls
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * d)
+    if loss_type == "ipo":
+        return (c / n_c.clamp(min=1.0) - r / n_r.clamp(min=1.0) - 1 / (2 * beta)) ** 2
+    if loss_type == "exo_pair":
+        qw, ql = torch.sigmoid(beta * d), torch.sigmoid(-beta * d)
+        return qw * (F.logsigmoid(beta * d) - math.log(1 - ls)) + ql * (F.logsigmoid(-beta * d) - math.log(ls))
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
+    if loss_type == "robust":
+        clean = -(1 - ls) * F.logsigmoid(beta * d)
+        flipped = -ls * F.logsigmoid(-beta * d)
+        return (clean - flipped) / (1 - 2 * ls)
+    if loss_type == "bco_pair":
+        return -F.logsigmoid(beta * c) - F.logsigmoid(-beta * r)
+    if loss_type == "sppo_hard":
+        return (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":
+        return 1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r)
+    if loss_type == "apo_down":
+        return torch.sigmoid(beta * c) + 1 - torch.sigmoid(beta * d)
+    if loss_type == "discopop":
+        logits = beta * d
+        mod = torch.sigmoid(logits / tau)
+        return -F.logsigmoid(logits) * (1 - mod) + torch.exp(-logits) * mod
+    raise AssertionError(loss_type)
+
+
+def chosen_nll(logits, labels):
+    """Mean NLL over the chosen half's counted tokens (TRL's ``cross_entropy`` on the chosen labels)."""
+    half = labels.shape[0] // 2
+    tok, counted = token_logps(logits[:half], labels[:half])
+    return -tok.sum() / counted.sum().clamp_min(1)
+
+
+def pair_metrics(logits, logps, vocab):
+    half = logps.shape[0] // 2
+    denom = half * logits.shape[1] * vocab
+    return [logps[:half], logps[half:], logits[:half].sum() / denom, logits[half:].sum() / denom]
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+
+
+def check(module_call, reference_loss, x, weight, bias, paired, chunk_rows, ref_head=None, at_engine_logits=False):
+    """Run ``module_call(leaves)`` under a chunk override and compare loss, metrics and grads
+    with ``reference_loss(logits64, ref_logits64) -> (loss, metrics, q)``."""
+    with override_launch_config(ChunkedHeadConfig, chunk_rows=chunk_rows):
+        plan = engine_plan(x, weight, paired, True)
+        leaves = leaves_of(x, weight, bias)
+        loss, metrics = module_call(*leaves)
+    upstream = float(torch.rand(()) + 0.5)
+    (loss * upstream).backward()
+    ref_logits = engine_logits(*ref_head, plan).double() if ref_head is not None else None
+    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(reference_loss, x, weight, bias, plan, ref_logits,
+                                                               fp32_at_engine_logits=at_engine_logits)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_loss_match(loss, loss_ref)
+    assert len(metrics) == len(metrics_ref), (len(metrics), len(metrics_ref))
+    for i, (got, want) in enumerate(zip(metrics, metrics_ref)):
+        assert not got.requires_grad and got.shape == want.shape, (i, got.shape, want.shape)
+        torch.testing.assert_close(got.double(), want.detach().double(), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, i=i: f"metric {i}\n{m}")
+    assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges), upstream)
+    return metrics
+
+
+# (B, T, D, V, chunk_rows): chunks of one or two pairs with a ragged end, T = 1, two passes (rows < 2T).
+PAIR_SHAPES = [(6, 5, 16, 37, 20), (4, 1, 8, 29, 2), (4, 6, 16, 101, 7)]
+
+
+# --------------------------------------------------------------------------------------
+# DPO
+# --------------------------------------------------------------------------------------
+
+DPO_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+             "apo_down", "discopop"]
+SMOOTHING = {"sigmoid": 0.1, "exo_pair": 1e-3, "robust": 0.2}
+
+
+def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precomputed, alpha, nll):
+    def loss_of_logits(logits, ref_logits):
+        tok, counted = token_logps(logits, target)
+        logps = seq_logps(tok, counted, average)
+        half = target.shape[0] // 2
+        ref = torch.zeros_like(logps)
+        if use_ref and precomputed is not None:
+            ref = torch.cat(precomputed).double()
+        elif use_ref:
+            ref = seq_logps(*token_logps(ref_logits, target), average)
+        c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
+        counts = counted.sum(-1).double()
+        n_c, n_r = (torch.ones_like(c), torch.ones_like(r)) if average else (counts[:half], counts[half:])
+        loss = reference_dpo_losses(c, r, beta, loss_type, ls, tau, n_c, n_r).mean()
+        nll_loss = chosen_nll(logits, target) if nll else torch.zeros((), dtype=logits.dtype)
+        metrics = pair_metrics(logits, logps, logits.shape[-1]) + [nll_loss, beta * c, beta * r]
+        return loss + alpha * nll_loss, metrics, tok.unsqueeze(-1)
+
+    return loss_of_logits
+
+
+@pytest.mark.parametrize("loss_type", DPO_TYPES)
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES[:2])
+def test_dpo_loss_types_fp32(loss_type, n_seqs, seq_len, hidden, vocab, chunk_rows):
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, torch.float32, with_bias=True)
+    ref_head = make_ref_head(x, weight, bias)
+    beta, ls = 0.3, SMOOTHING.get(loss_type, 0.0)
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head),
+          dpo_reference(target, beta, loss_type, ls, 0.05, False, True, None, 1.0, False),
+          x, weight, bias, True, chunk_rows, ref_head, at_engine_logits=loss_type == "discopop")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES)
+@pytest.mark.parametrize("options", [
+    dict(loss_type="sigmoid", with_bias=False),
+    dict(loss_type="ipo", average_log_prob=True, compute_nll_loss=True, alpha=0.5, with_bias=True),
+    dict(loss_type="apo_zero", use_ref_model=False, with_bias=True),
+    dict(loss_type="discopop", precomputed=True, with_bias=False, discopop_tau=0.3),
+], ids=["sigmoid", "ipo_avg_nll", "no_ref", "precomputed_ref"])
+def test_dpo_options(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, options):
+    options = dict(options)
+    with_bias, precomputed = options.pop("with_bias"), options.pop("precomputed", False)
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias)
+    ref_head = make_ref_head(x, weight, bias)
+    beta = 0.2
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, **options)
+    use_ref = options.get("use_ref_model", True)
+    ref_logps = None
+    if precomputed:
+        half = n_seqs // 2
+        ref_logps = (torch.randn(half, device=DEVICE) - 3, torch.randn(half, device=DEVICE) - 3)
+
+        def call(xi, w, b):
+            return loss_fn(w, xi, target, b, ref_chosen_logps=ref_logps[0], ref_rejected_logps=ref_logps[1])
+    elif use_ref:
+        def call(xi, w, b):
+            return loss_fn(w, xi, target, b, *ref_head)
+    else:
+        def call(xi, w, b):
+            return loss_fn(w, xi, target, b)
+    reference = dpo_reference(target, beta, options["loss_type"], 0.0, options.get("discopop_tau", 0.05),
+                              options.get("average_log_prob", False), use_ref, ref_logps, options.get("alpha", 1.0),
+                              options.get("compute_nll_loss", False))
+    check(call, reference, x, weight, bias, True, chunk_rows, ref_head if use_ref and not precomputed else None,
+          at_engine_logits=options["loss_type"] == "discopop")
+
+
+# --------------------------------------------------------------------------------------
+# ORPO, SimPO, CPO
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES)
+@pytest.mark.parametrize("with_nll_target", [False, True])
+def test_orpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, with_nll_target):
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=with_nll_target,
+                                         all_ignored=False)
+    nll_target = None
+    if with_nll_target:
+        nll_target = torch.where(torch.rand_like(target, dtype=torch.float) < 0.5, IGNORE, target)
+        nll_target[:, 0] = target[:, 0]
+    beta = 0.4
+    loss_fn = LigerFusedLinearORPOLoss(beta=beta)
+
+    def reference(logits, _):
+        tok, counted = token_logps(logits, target)
+        logps = seq_logps(tok, counted, True)
+        half = n_seqs // 2
+        c, r = logps[:half], logps[half:]
+        log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+        ratio = F.logsigmoid(log_odds)
+        nll = chosen_nll(logits, target if nll_target is None else nll_target)
+        metrics = pair_metrics(logits, logps, vocab) + [nll, beta * c, beta * r, ratio.mean(), log_odds.mean()]
+        q = tok.unsqueeze(-1)
+        if nll_target is not None:
+            q = torch.stack([tok, token_logps(logits, nll_target)[0]], -1)
+        return nll - beta * ratio.mean(), metrics, q
+
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, nll_target=nll_target), reference, x, weight, bias, True,
+          chunk_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES[::2])
+@pytest.mark.parametrize("label_smoothing, compute_nll_loss", [(0.0, True), (0.15, False)])
+def test_simpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, label_smoothing, compute_nll_loss):
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=True)
+    beta, gamma, alpha = 2.0, 0.7, 0.6
+    loss_fn = LigerFusedLinearSimPOLoss(beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing,
+                                        compute_nll_loss=compute_nll_loss)
+
+    def reference(logits, _):
+        tok, counted = token_logps(logits, target)
+        logps = seq_logps(tok, counted, True)
+        half = n_seqs // 2
+        h = beta * (logps[:half] - logps[half:]) - gamma
+        loss = (-F.logsigmoid(h) * (1 - label_smoothing) - F.logsigmoid(-h) * label_smoothing).mean()
+        nll = chosen_nll(logits, target) if compute_nll_loss else torch.zeros((), dtype=logits.dtype)
+        metrics = pair_metrics(logits, logps, vocab) + [nll, beta * logps[:half], beta * logps[half:]]
+        return loss + alpha * nll, metrics, tok.unsqueeze(-1)
+
+    check(lambda xi, w, b: loss_fn(w, xi, target, b), reference, x, weight, bias, True, chunk_rows)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "simpo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpo(loss_type, dtype):
+    n_seqs, seq_len, hidden, vocab, chunk_rows = PAIR_SHAPES[0]
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=False)
+    beta, alpha, ls, gamma = 0.1, 0.8, 0.1, 0.4
+    loss_fn = LigerFusedLinearCPOLoss(beta=beta, alpha=alpha, label_smoothing=ls, loss_type=loss_type,
+                                      simpo_gamma=gamma)
+
+    def reference(logits, _):
+        tok, counted = token_logps(logits, target)
+        logps = seq_logps(tok, counted, False)
+        half = n_seqs // 2
+        d = logps[:half] - logps[half:]
+        if loss_type == "simpo":
+            d = d - gamma / beta
+        if loss_type in ("sigmoid", "simpo"):
+            losses = -F.logsigmoid(beta * d) * (1 - ls) - F.logsigmoid(-beta * d) * ls
+        elif loss_type == "hinge":
+            losses = torch.relu(1 - beta * d)
+        else:
+            losses = (d - 1 / (2 * beta)) ** 2
+        nll = chosen_nll(logits, target)
+        metrics = pair_metrics(logits, logps, vocab) + [nll, beta * logps[:half], beta * logps[half:]]
+        return losses.mean() + alpha * nll, metrics, tok.unsqueeze(-1)
+
+    check(lambda xi, w, b: loss_fn(w, xi, target, b), reference, x, weight, bias, True, chunk_rows)
+
+
+# --------------------------------------------------------------------------------------
+# KTO
+# --------------------------------------------------------------------------------------
+
+
+def kto_reference(target, labels, beta, kl, w_d, w_u, use_ref, average, precomputed=None):
+    def loss_of_logits(logits, ref_logits):
+        tok, counted = token_logps(logits, target)
+        logps = seq_logps(tok, counted, average)
+        ref = torch.zeros_like(logps)
+        if precomputed is not None:
+            ref = precomputed.double()
+        elif use_ref:
+            ref = seq_logps(*token_logps(ref_logits, target), average)
+        rho = logps - ref
+        k = float(kl) if kl is not None else 0.0
+        chosen = rho[labels]
+        rejected = rho[~labels]
+        # TRL's kto_loss: desirable and undesirable losses concatenated, then the mean over the batch.
+        losses = torch.cat([w_d * (1 - torch.sigmoid(beta * (chosen - k))),
+                            w_u * (1 - torch.sigmoid(beta * (k - rejected)))])
+        row_sums = logits.sum(-1).sum(-1)
+        metrics = [logps[labels].sum(), logps[~labels].sum(), row_sums[labels].sum(), row_sums[~labels].sum(),
+                   (beta * chosen).sum(), (beta * rejected).sum()]
+        return losses.mean(), metrics, tok.unsqueeze(-1)
+
+    return loss_of_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", [(7, 5, 16, 37, 11), (5, 1, 8, 29, 1),
+                                                                       (6, 4, 16, 53, 3)])
+@pytest.mark.parametrize("use_ref, weights, with_kl", [(True, (1.0, 1.0), True), (False, (1.3, 0.6), True),
+                                                       (True, (0.8, 1.5), False)])
+def test_kto(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, use_ref, weights, with_kl):
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=use_ref)
+    # Unbalanced labels: the KL term and the two weights do not cancel.
+    labels = torch.zeros(n_seqs, dtype=torch.bool, device=DEVICE)
+    labels[: max(1, n_seqs // 3)] = True
+    labels = labels[torch.randperm(n_seqs, device=DEVICE)]
+    kl = (torch.rand((), device=DEVICE) * 2 + 0.5) if with_kl else None
+    ref_head = make_ref_head(x, weight, bias)
+    beta = 0.5
+    loss_fn = LigerFusedLinearKTOLoss(beta=beta, use_ref_model=use_ref, desirable_weight=weights[0],
+                                      undesirable_weight=weights[1])
+
+    def call(xi, w, b):
+        ref_kwargs = dict(ref_input=ref_head[0], ref_weight=ref_head[1], ref_bias=ref_head[2]) if use_ref else {}
+        return loss_fn(_input=xi, lin_weight=w, target=target, bias=b, preference_labels=labels, kl=kl, **ref_kwargs)
+
+    check(call, kto_reference(target, labels, beta, kl, *weights, use_ref, False), x, weight, bias, False,
+          chunk_rows, ref_head if use_ref else None)
+
+
+def test_kto_precomputed_reference_and_average():
+    x, weight, bias, target = make_batch(5, 4, 16, 31, torch.float32, with_bias=False)
+    labels = torch.tensor([True, False, False, True, False], device=DEVICE)
+    ref_logps = torch.randn(5, device=DEVICE) - 2
+    kl = torch.tensor([0.7], device=DEVICE)
+    loss_fn = LigerFusedLinearKTOLoss(beta=0.2, use_ref_model=True, average_log_prob=True)
+    check(lambda xi, w, b: loss_fn(xi, w, target, b, labels, kl=kl, ref_logps=ref_logps),
+          kto_reference(target, labels, 0.2, kl, 1.0, 1.0, True, True, ref_logps), x, weight, bias, False, 8)
