@@ -45,6 +45,7 @@ reason. Nothing here touches the network: configs come from classes, weights are
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -79,10 +80,10 @@ _INTERMEDIATE_KEYS = {
     "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size", "d_ff", "intermediate_dim",
     "mlp_dim", "ffn_size", "moe_ffn_hidden_size", "dim_feedforward", "feed_forward_proj_dim",
 }
-_LAYER_KEYS = {
+_LAYER_KEYS = (  # the first one present decides which layers are kept; every one present is set to that count
     "num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
     "num_decoder_layers", "num_encoder_layers", "depth", "num_blocks",
-}
+)
 _POSITION_KEYS = {
     "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
     "max_target_positions", "max_source_positions", "max_seq_length",
@@ -235,8 +236,8 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
             d[k] = sum(1 for i in kept if start <= i < start + size)
             start += size
         d[layer_key] = len(kept)
-        for k in _LAYER_KEYS - {layer_key}:
-            if _is_int(d.get(k)) and d[k] == n:
+        for k in _LAYER_KEYS:
+            if _is_int(d.get(k)) and d[k] > 0:
                 d[k] = len(kept)
         for k in ("first_k_dense_replace", "num_dense_layers"):
             if _is_int(d.get(k)):
@@ -284,6 +285,7 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
             d[k] = _shrink_int(k, v, old_heads)
 
     _keep_state_space_product(d, original)
+    _keep_widened_attention(d, original)
     if d.get("head_dim", 0) is None and any(_is_int(d.get(k)) for k in _HEAD_KEYS):
         d["head_dim"] = HEAD_DIM  # the class default derives it from widths the rules above changed
     if "num_key_value_heads" in d and d["num_key_value_heads"] is None and _is_int(d.get("num_attention_heads")):
@@ -299,6 +301,20 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
             d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     if d.get("output_router_logits") is False:
         d["output_router_logits"] = True
+    if d.get("use_cache") is True:
+        d["use_cache"] = False  # a training step: no KV cache
+    if any(_is_int(d.get(k)) for k in _EXPERT_KEYS):
+        for k in _TOP_K_KEYS:
+            if k in d and d[k] is None:
+                d[k] = TOP_K
+    if d.get("sliding_window", 0) is None and "sliding_attention" in (d.get("layer_types") or ()):
+        d["sliding_window"] = WINDOW
+    for k in ("n_groups", "mamba_n_groups", "ngroups", "mamba_ngroups"):
+        if _is_int(d.get(k)) and d[k] > 1:
+            d[k] = 1  # state-space groups must divide the (now 4) heads
+    for k in ("rotary_dim", "rotary_emb_dim"):
+        if _is_int(d.get(k)) and old_head_dim and _is_int(d.get("head_dim") or HEAD_DIM):
+            d[k] = max(2, d[k] * (d.get("head_dim") or HEAD_DIM) // old_head_dim // 2 * 2)
     for k in ("n_group", "num_expert_group"):
         if _is_int(d.get(k)) and d[k] > 1:
             d[k] = 2
@@ -312,7 +328,8 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
             # the config names none: give the tiny head_dim its own.
             factor = rope.get("partial_rotary_factor", 1.0) or 1.0
             half = max(1, int(new_head_dim * factor) // 2)
-            d["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+            third = (half + 1) // 3
+            d["rope_parameters"] = {**rope, "mrope_section": [third, third, half - 2 * third]}
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(d.get(key), dict):
             factor = d[key].get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
@@ -322,32 +339,62 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
 
 
 def _keep_state_space_product(d: dict[str, Any], original: dict[str, Any]) -> None:
-    """State-space heads tile the expanded width (``hidden * expand == heads * head_dim``): keep that."""
+    """State-space heads tile the inner width (``heads * head_dim == expand * hidden``, or
+    ``== d_ssm`` where the config names it): keep that with :data:`HEADS` heads."""
     hidden = original.get("hidden_size")
-    for prefix in ("mamba_", "ssm_", ""):
-        expand = original.get(prefix + "expand")
-        heads_key = next((prefix + k for k in ("n_heads", "num_heads") if _is_int(original.get(prefix + k))), None)
-        dim_key = next((prefix + k for k in ("d_head", "head_dim") if _is_int(original.get(prefix + k))), None)
-        if not (_is_int(hidden) and _is_int(expand) and heads_key and dim_key):
-            continue
-        if hidden * expand == original[heads_key] * original[dim_key]:
-            d[heads_key] = HEADS
-            d[dim_key] = d["hidden_size"] * expand // HEADS
-            for groups in (prefix + "n_groups", "n_groups"):
-                if _is_int(d.get(groups)):
-                    d[groups] = 1
-            return
+    if not _is_int(hidden):
+        return
+    heads_key = next((k for k in ("mamba_n_heads", "n_mamba_heads", "mamba_num_heads", "ssm_num_heads", "num_heads")
+                      if _is_int(original.get(k))), None)
+    dim_key = next((k for k in ("mamba_d_head", "mamba_headdim", "mamba_head_dim", "ssm_head_dim", "head_dim")
+                    if _is_int(original.get(k))), None)
+    expand = next((original[k] for k in ("mamba_expand", "expand", "ssm_expand") if _is_int(original.get(k))), None)
+    if not (heads_key and dim_key and expand):
+        return
+    tiled = original[heads_key] * original[dim_key]
+    width_key = next((k for k in ("mamba_d_ssm", "d_ssm") if original.get(k) == tiled), None)
+    if width_key is None and tiled != expand * hidden:
+        return
+    width = expand * d["hidden_size"]
+    if width_key:
+        d[width_key] = width
+    d[heads_key] = HEADS
+    d[dim_key] = width // HEADS
 
 
+def _keep_widened_attention(d: dict[str, Any], original: dict[str, Any]) -> None:
+    """An attention width that is a multiple of ``hidden_size`` (Zamba attends over
+    ``[hidden, embeddings]``) keeps the multiple, and its head_dim tiles it."""
+    hidden = original.get("hidden_size")
+    heads = original.get("num_attention_heads")
+    if not (_is_int(hidden) and _is_int(heads)):
+        return
+    for key in ("attention_hidden_size",):
+        if _is_int(original.get(key)) and original[key] % hidden == 0 and original[key] != hidden:
+            d[key] = original[key] // hidden * d["hidden_size"]
+            for dim_key in ("attention_head_dim", "head_dim"):
+                if _is_int(original.get(dim_key)) and original[dim_key] * heads == original[key]:
+                    d[dim_key] = d[key] // d["num_attention_heads"]
+
+
+@functools.cache
 def _declares_mrope(model_type: Any) -> bool:
-    """Whether the config class of ``model_type`` declares multimodal rotary sections."""
+    """Whether ``model_type``'s config class or modeling code uses multimodal rotary sections."""
+    import importlib.util
+
     from transformers import CONFIG_MAPPING
 
     try:
         cls = CONFIG_MAPPING[model_type]
     except KeyError:
         return False
-    return "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ())
+    if "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ()):
+        return True
+    spec = importlib.util.find_spec(cls.__module__.replace(".configuration_", ".modeling_"))
+    if spec is None or not spec.origin:
+        return False
+    with open(spec.origin) as f:
+        return '"mrope_section"' in f.read()
 
 
 def _shrink_int(key: str, value: Any, old_heads: int | None) -> Any:
@@ -395,10 +442,9 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "dory": ({"layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"],
               "num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2},
              "to_dict stores each layer as an attention and an mlp block with every count doubled"),
-    "zamba": ({"num_hidden_layers": 3, "attention_hidden_size": 128, "attention_head_dim": 32, "attn_layer_period": 2, "attn_layer_offset": 0,
+    "zamba": ({"num_hidden_layers": 3, "attn_layer_period": 2, "attn_layer_offset": 0,
                "layers_block_type": ["hybrid", "mamba", "hybrid"]},
-              "the shared transformer block is tied across hybrid layers (HF's tie check needs two of them) "
-              "and attends over [hidden, embeddings], twice the width"),
+              "the shared transformer block is tied across hybrid layers: HF's tie check needs two of them"),
     "bamba": ({"attn_layer_indices": [1]}, "the defaults have no attention layer, and the forward needs one"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
                  "the defaults leave layer_types None, which the model indexes"),
