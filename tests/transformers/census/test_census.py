@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -88,6 +89,7 @@ class CensusResult:
     seconds: float = 0.0
     softcap_exercised: bool | None = None
     max_grad_error: float = 0.0
+    inputs: str = "text"
 
 
 class _NotBuilt(Exception):
@@ -209,13 +211,31 @@ def _liger_log() -> Any:
         logger.setLevel(level)
 
 
+_STATE_SPACE_CONFIG = re.compile(r"mamba|ssm|state_size|d_state|linear_attn|linear_num|linear_conv|rwkv|xlstm|"
+                                 r"conv_L_cache|full_attn_idxs")
+
+
+def _config_keys(config: Any) -> set[str]:
+    keys: set[str] = set()
+
+    def walk(d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            keys.add(str(k))
+            if isinstance(v, dict):
+                walk(v)
+
+    walk(config.to_dict())
+    return keys
+
+
 def _structure(model: torch.nn.Module) -> str:
-    """Why no kernel applied, read off the module classes: the census's left-alone category."""
+    """Why no kernel applied, read off the module classes and the config: the left-alone category."""
     names = {type(m).__name__ for m in model.modules()}
-    joined = " ".join(names)
-    attention = any(re.search(r"Attention|SelfAttn|Attn\b", n) and "Linear" not in n for n in names)
+    joined = " ".join(names) + " " + " ".join(k for k in _config_keys(model.config) if _STATE_SPACE_CONFIG.search(k))
+    attention = any(re.search(r"Attention|SelfAttn|Attn\b", n) and not re.search(r"Linear|Rwkv|Lightning", n)
+                    for n in names)
     state_space = re.search(r"Mamba|Rwkv|xLSTM|mLSTM|Recurrent|RgLru|Ssm|SSM|ShortConv|GatedDeltaNet|"
-                            r"LinearAttention|Lightning|DeltaNet", joined)
+                            r"LinearAttention|Lightning|DeltaNet|" + _STATE_SPACE_CONFIG.pattern, joined)
     rms = "RMSNorm" in joined or "RmsNorm" in joined
     layer_norm = any(isinstance(m, torch.nn.LayerNorm) for m in model.modules()) or "LayerNorm" in joined
     if state_space and not attention:
@@ -240,11 +260,26 @@ def _inputs(config: Any, generator: torch.Generator) -> tuple[torch.Tensor, torc
     return ids.to(DEVICE), labels.to(DEVICE)
 
 
-def _loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, seed: int) -> Any:
+def _pixel_inputs(model: torch.nn.Module, config: Any, ids: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    """Tiny random images (and Q-Former ids) for a model whose forward requires them."""
+    vision = next((getattr(config, k) for k in ("vision_config", "encoder", "visual_config")
+                   if getattr(config, k, None) is not None), config)
+    size = getattr(vision, "image_size", 32)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    channels = getattr(vision, "num_channels", 3)
+    generator = torch.Generator().manual_seed(seed + 1)
+    extra = {"pixel_values": torch.randn(BATCH, channels, height, width, generator=generator).to(DEVICE)}
+    if "qformer_input_ids" in inspect.signature(model.forward).parameters:
+        extra["qformer_input_ids"] = ids
+    return extra
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, seed: int,
+          extra: dict[str, torch.Tensor] | None = None) -> Any:
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, **(extra or {}))
 
 
 def _compare(reference: torch.nn.Module, patched: torch.nn.Module, ref_loss: torch.Tensor,
@@ -253,7 +288,8 @@ def _compare(reference: torch.nn.Module, patched: torch.nn.Module, ref_loss: tor
     problems = []
     loss_error = float((liger_loss.detach() - ref_loss.detach()).abs() / ref_loss.detach().abs().clamp_min(1.0))
     if not loss_error <= LOSS_RTOL:
-        problems.append(f"loss {float(liger_loss):.7g} vs HF {float(ref_loss):.7g} (rel {loss_error:.2e})")
+        problems.append(f"loss {float(liger_loss.detach()):.7g} vs HF {float(ref_loss.detach()):.7g} "
+                        f"(rel {loss_error:.2e})")
     worst = 0.0
     liger_params = dict(patched.named_parameters())
     for name, param in reference.named_parameters():
@@ -278,7 +314,6 @@ def _compare(reference: torch.nn.Module, patched: torch.nn.Module, ref_loss: tor
 def run_case(task: str, model_type: str, seed: int = 0, corrupt: Any = None) -> CensusResult:
     """The census of one model type (``corrupt(model)``, tests only, alters the patched model)."""
     import transformers
-
     from liger_kernel.transformers import _apply_liger_kernel_to_instance, liger_patched_modules
 
     started = time.perf_counter()
@@ -307,11 +342,19 @@ def run_case(task: str, model_type: str, seed: int = 0, corrupt: Any = None) -> 
         patched.load_state_dict(reference.state_dict())
 
         ids, labels = _inputs(config, torch.Generator().manual_seed(seed))
+        extra: dict[str, torch.Tensor] = {}
         try:
             ref_out = _loss(reference, ids, labels, seed)
         except Exception as error:
-            kind = "text-only forward" if task == IMAGE_TEXT else "forward"
-            raise _NotBuilt(f"{kind} with labels fails in HF: {_short(error)}") from error
+            if task != IMAGE_TEXT:
+                raise _NotBuilt(f"forward with labels fails in HF: {_short(error)}") from error
+            try:  # the text decoder cannot run alone: tiny random images
+                extra = _pixel_inputs(reference, config, ids, seed)
+                ref_out = _loss(reference, ids, labels, seed, extra)
+                result.inputs = "text + tiny images"
+            except Exception as pixel_error:
+                raise _NotBuilt(f"forward with labels fails in HF, text-only ({_short(error)}) and with images "
+                                f"({_short(pixel_error)})") from pixel_error
         ref_loss = getattr(ref_out, "loss", None)
         if ref_loss is None or ref_loss.ndim != 0:
             raise _NotBuilt("HF forward computes no loss from labels")
@@ -327,10 +370,12 @@ def run_case(task: str, model_type: str, seed: int = 0, corrupt: Any = None) -> 
         for name in liger_patched_modules(patched):
             kind = _kind(name, patched.get_submodule(name))
             result.patched[kind] = result.patched.get(kind, 0) + 1
+        if "loss" not in result.patched and type(patched).forward is not model_cls.forward:
+            result.patched["loss"] = 1  # the model's own forward was replaced
         if corrupt is not None:
             corrupt(patched)
         try:
-            liger_loss = _loss(patched, ids, labels, seed).loss
+            liger_loss = _loss(patched, ids, labels, seed, extra).loss
             liger_loss.backward()
         except Exception as error:
             result.status = "MISMATCH"
@@ -378,19 +423,18 @@ def test_census(task: str, model_type: str, _fresh_seed: int) -> None:
 
 
 def test_census_detects_a_wrong_kernel() -> None:
-    """The comparison fails when a patched kernel computes something else: Gemma's norms
-    lose their ``1 + w`` offset (the weights are zeros at init, so randomise them first)."""
+    """The comparison fails when a patched kernel computes something else: the Liger norms of a
+    Gemma model lose their ``1 + w`` offset (weights and inputs stay the same in both models)."""
 
     def corrupt(model: torch.nn.Module) -> None:
-        for module in model.modules():
-            if hasattr(module, "offset") and "Norm" in type(module).__name__:
-                with torch.no_grad():
-                    module.weight.normal_()
-                module.offset = 0.0
+        norms = [m for m in model.modules() if "Norm" in type(m).__name__ and getattr(m, "offset", None) == 1.0]
+        assert norms, "no patched Gemma norm found: the mutation would test nothing"
+        for module in norms:
+            module.offset = 0.0
 
     result = run_case(CAUSAL_LM, "gemma", corrupt=corrupt)
     assert result.status == "MISMATCH", result
-    assert "norm" in result.detail, result.detail
+    assert result.detail.startswith("loss"), result.detail
 
 
 # ------------------------------------------------------------------------------------- docs
@@ -416,10 +460,9 @@ def _counts(results: list[CensusResult]) -> list[str]:
     return lines
 
 
-def write_docs(results: list[CensusResult], path: str, seconds: float, jobs: int) -> None:
+def write_docs(results: list[CensusResult], path: str) -> None:
     import transformers
 
-    total_case = sum(r.seconds for r in results)
     out = [
         "# Model census",
         "",
@@ -430,9 +473,9 @@ def write_docs(results: list[CensusResult], path: str, seconds: float, jobs: int
         "`_apply_liger_kernel_to_instance` and trained one step next to the unpatched model: fp32,",
         f"{DEVICE}, eager attention; loss and every parameter gradient compared (relative",
         f"tolerance {LOSS_RTOL:g} for the loss, {GRAD_RTOL:g} of each gradient's largest entry).",
-        "",
-        f"Census run: {len(results)} cases, {seconds:.0f} s wall with {jobs} worker(s), "
-        f"{total_case / max(len(results), 1):.1f} s per case on average.",
+        "Image-text-to-text models run text-only where their forward allows it, else with tiny",
+        "random images (`inputs` column). A patched model type that is not equal is a failure of",
+        "the census test.",
         "",
     ]
     for task in TASKS:
@@ -440,12 +483,14 @@ def write_docs(results: list[CensusResult], path: str, seconds: float, jobs: int
         if not rows:
             continue
         out += [f"## {task}", "", *_counts(rows), "",
-                "| model type | architecture | patched | equal to HF | left alone / not built because |",
-                "|---|---|---|---|---|"]
+                "| model type | architecture | inputs | patched | equal to HF | left alone / not built because |",
+                "|---|---|---|---|---|---|"]
         for r in rows:
             equal = {"equal": "yes", "MISMATCH": f"**NO**: {r.detail}"}.get(r.status, "")
             cell = r.reason.replace("|", "\\|")
-            out.append(f"| {r.model_type} | {r.architecture} | {_patched_text(r)} | {equal.replace('|', '/')} | {cell} |")
+            inputs = r.inputs if r.status != "not built" else ""
+            out.append(f"| {r.model_type} | {r.architecture} | {inputs} | {_patched_text(r)} | "
+                       f"{equal.replace('|', '/')} | {cell} |")
         out.append("")
     with open(path, "w") as f:
         f.write("\n".join(out))
@@ -474,9 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = []
     if args.jobs > 1:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(args.jobs) as pool:
+        # spawn: a forked worker would inherit the parent's CUDA state on a GPU machine
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             for result in pool.map(_run_one, cases, chunksize=1):
                 results.append(result)
                 print(f"{result.task}/{result.model_type}: {result.status} {_patched_text(result)} "
@@ -488,11 +535,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result.task}/{result.model_type}: {result.status} {_patched_text(result)} "
                   f"{result.reason}{result.detail} ({result.seconds:.1f} s)", flush=True)
     seconds = time.perf_counter() - started
+    print(f"census: {len(results)} cases in {seconds:.0f} s with {args.jobs} worker(s), "
+          f"{sum(r.seconds for r in results) / max(len(results), 1):.2f} s per case")
     for task in TASKS:
         print(f"== {task}")
         print("\n".join(_counts([r for r in results if r.task == task])))
     if args.write_docs:
-        write_docs(results, args.write_docs, seconds, args.jobs)
+        write_docs(results, args.write_docs)
     return 1 if any(r.status == "MISMATCH" for r in results) else 0
 
 
