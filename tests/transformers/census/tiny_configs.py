@@ -192,6 +192,14 @@ def _layer_selection(d: dict[str, Any]) -> tuple[str, int, list[int]] | None:
     return key, n, sorted(set(kept))
 
 
+def _shrink_layer_overrides(overrides: Any) -> Any:
+    """One layer's entry of a per-layer config (``{"num_attention_heads": 64, ...}``), shrunk like the config."""
+    if not isinstance(overrides, dict):
+        return overrides
+    heads = overrides.get("num_attention_heads")
+    return {k: _shrink_int(k, v, heads if _is_int(heads) else None) if _is_int(v) else v for k, v in overrides.items()}
+
+
 def _shrink_rope(rope: dict[str, Any], old_rotary_half: int | None, new_rotary_half: int) -> dict[str, Any]:
     rope = dict(rope)
     if all(isinstance(v, dict) for v in rope.values()) and rope:  # per layer kind (Gemma 3n, ...)
@@ -212,7 +220,7 @@ def _shrink_rope(rope: dict[str, Any], old_rotary_half: int | None, new_rotary_h
     return rope
 
 
-def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
+def _shrink(d: dict[str, Any], token_ids: _TokenIds, widths: frozenset[int] = frozenset()) -> dict[str, Any]:
     """One config dict shrunk by the generic rules (nested config dicts recursively)."""
     original = d
     d = dict(d)
@@ -229,7 +237,8 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
                 d[k] = [new_index[old] for old in v if old in new_index]
         for k in _per_layer_dicts(d, n):
             width = len(next(iter(d[k])))
-            d[k] = {f"{new_index[int(x)]:0{width}d}": v for x, v in d[k].items() if int(x) in new_index}
+            d[k] = {f"{new_index[int(x)]:0{width}d}": _shrink_layer_overrides(v) for x, v in d[k].items()
+                    if int(x) in new_index}
         segments, start = _segment_keys(d, layer_key, n), 0
         for k in segments:
             size = d[k]
@@ -266,14 +275,19 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
 
     for k, v in list(d.items()):
         if _is_config_dict(v):
-            d[k] = _shrink(v, token_ids)
+            d[k] = _shrink(v, token_ids, widths)
         elif isinstance(v, list) and v and all(_is_config_dict(x) for x in v):
-            d[k] = [_shrink(x, token_ids) for x in v]
+            d[k] = [_shrink(x, token_ids, widths) for x in v]
         elif _RANDOMNESS.match(k) and isinstance(v, (int, float)) and not isinstance(v, bool):
             d[k] = type(v)(0)
         elif "softcap" in k.replace("_", "") and "attn" not in k and "attention" not in k and isinstance(v, (int, float)) \
                 and not isinstance(v, bool) and v > 0:
             d[k] = SOFTCAP
+        elif "feature_layer" in k and (_is_int(v) or (isinstance(v, list) and v and all(_is_int(x) for x in v))):
+            # vision layers picked as image features (24, [-2, -5, ...]): the vision tower now has
+            # MIN_LAYERS layers, so count from its top, distinct where a list needs it
+            d[k] = -1 if _is_int(v) else [i - len(v) for i in range(len(v))] if any(x < 0 for x in v) \
+                else [max(0, MIN_LAYERS - 1 - i) for i in range(len(v))]
         elif _TOKEN_ID.match(k):
             if _is_int(v):
                 d[k] = token_ids(v)
@@ -283,6 +297,8 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds) -> dict[str, Any]:
             continue
         else:
             d[k] = _shrink_int(k, v, old_heads)
+            if d[k] == v and _is_int(v) and v in widths and ("dim" in k or "size" in k):
+                d[k] = HIDDEN  # a hidden width under another name (adapter_in_dim, ...)
 
     _keep_state_space_product(d, original)
     _keep_widened_attention(d, original)
@@ -448,6 +464,10 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "bamba": ({"attn_layer_indices": [1]}, "the defaults have no attention layer, and the forward needs one"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
                  "the defaults leave layer_types None, which the model indexes"),
+    "dots3_note": ({"text_config.head_dim": 2 * HEAD_DIM},
+                   "its sliding-window layers need head_dim = qk_nope_head_dim + qk_rope_head_dim, its other "
+                   "layers take head_dim from per_layer_config"),
+    "dots3_note_text": ({"head_dim": 2 * HEAD_DIM}, "as dots3_note"),
     "dbrx": ({"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
              "the default attention config has no rope_theta, and its clip_qkv None reaches torch.clamp"),
     "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
@@ -462,13 +482,22 @@ def _set_path(d: dict[str, Any], path: str, value: Any) -> None:
     d[last] = value
 
 
+def _hidden_widths(d: dict[str, Any]) -> set[int]:
+    """Every hidden width in the (nested) config, at least 256 wide so a coincidence is unlikely."""
+    found = {v for k, v in d.items() if (k in _HIDDEN_KEYS or k.endswith("_hidden_size")) and _is_int(v) and v >= 256}
+    for v in d.values():
+        if _is_config_dict(v):
+            found |= _hidden_widths(v)
+    return found
+
+
 def tiny_config_dict(model_type: str) -> dict[str, Any]:
     """The shrunk config of ``model_type`` as a dict (see the module docstring)."""
     from transformers import CONFIG_MAPPING
 
     defaults = CONFIG_MAPPING[model_type]().to_dict()
     vocab = min(defaults.get("vocab_size") or VOCAB, VOCAB)
-    d = _shrink(defaults, _TokenIds(vocab))
+    d = _shrink(defaults, _TokenIds(vocab), frozenset(_hidden_widths(defaults)))
     for path, value in OVERRIDES.get(model_type, ({}, ""))[0].items():
         _set_path(d, path, value)
     for k in ("transformers_version", "architectures", "_name_or_path"):
