@@ -244,10 +244,15 @@ def _structure(model: torch.nn.Module) -> str:
         return "state-space / recurrent (no attention)"
     if state_space:
         return "hybrid attention + state-space / linear attention"
+    keys = _config_keys(model.config)
+    if "type_vocab_size" in keys:
+        return "encoder family run as a decoder (BERT style)"
+    if getattr(model.config, "is_encoder_decoder", False) or "decoder_start_token_id" in keys:
+        return "decoder of an encoder-decoder (BART / Whisper style)"
     if rms:
         return "RMSNorm decoder"
     if layer_norm:
-        return "LayerNorm decoder (GPT-2 / BERT / BART style)"
+        return "LayerNorm decoder (GPT-2 style)"
     return "other layout"
 
 
