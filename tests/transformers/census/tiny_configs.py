@@ -9,35 +9,48 @@ recursing into every nested config dict (``text_config``, ``vision_config``, ``a
 * **Widths.** Every hidden-size key (``hidden_size``, ``d_model``, ``n_embd``, ``embed_dim``, any
   ``*_hidden_size``...) becomes :data:`HIDDEN`; attention heads :data:`HEADS`, key/value heads
   :data:`KV_HEADS` (1 stays 1: multi-query; equal to the heads stays equal: multi-head),
-  ``head_dim`` and its aliases :data:`HEAD_DIM`; multi-head latent attention ranks and the
-  ``qk_nope``/``qk_rope``/``v`` head dims :data:`HEAD_DIM` (``qk_head_dim`` their sum).
+  ``head_dim`` and its aliases :data:`HEAD_DIM`; latent-attention ranks ``2 * HEAD_DIM``, the
+  ``qk_nope``/``qk_rope``/``v`` head dims :data:`HEAD_DIM` (``qk_head_dim`` their sum, and
+  ``head_dim`` the rotary part or the whole query/key head, as in the defaults).
   Because every width key of every nested config gets the same value, widths that must agree
   across configs (a projector's ``text_hidden_size`` and the text config's ``hidden_size``)
-  still agree. Intermediate sizes become :data:`INTERMEDIATE` (:data:`EXPERT_INTERMEDIATE` for
-  expert / shared-expert / MoE ones).
+  still agree; an integer ``*dim*``/``*size*`` key equal to one of the original hidden widths
+  (``adapter_in_dim``) is a width under another name and follows. Products the model checks are
+  kept: state-space heads tile ``expand * hidden`` (or ``d_ssm``), an attention width that is a
+  multiple of ``hidden`` (Zamba's ``[hidden, embeddings]``) keeps the multiple. A ``head_dim``
+  or key/value head count the defaults leave None gets the value the rules imply. Intermediate
+  sizes become :data:`INTERMEDIATE` (:data:`EXPERT_INTERMEDIATE` for expert / shared-expert /
+  MoE ones); other head counts (indexer, linear attention) at most :data:`KV_HEADS`.
 * **Vocabulary and token ids.** ``vocab_size`` at most :data:`VOCAB`; every ``*_token_id`` /
   ``*_token_index`` that no longer fits is mapped to a distinct id at the top of the vocabulary.
   :func:`reserved_token_ids` lists them so the census draws its inputs from the other ids.
+  Every other ``*vocab*`` size is at most :data:`VOCAB` too, state sizes at most 16.
 * **Positions and windows.** Maximum positions :data:`MAX_POSITIONS`; sliding windows and
-  attention chunks :data:`WINDOW` (shorter than the census sequence, so the window bites);
-  rope ``original_max_position_embeddings`` at most half the maximum.
+  attention chunks :data:`WINDOW` (shorter than the census sequence, so the window bites; a
+  config with sliding layers and no window gets one); ``original_max_position_embeddings`` at
+  most half the maximum.
 * **Layers.** Two decoder layers *or one of each layer kind*, whichever is more: every list in
   the config as long as the layer count (``layer_types``, per-layer intermediate sizes,
   ``no_rope_layers``, ...) and every index list (``mlp_only_layers``, ...) together with
   ``first_k_dense_replace`` and ``decoder_sparse_step`` give each layer a signature; the first
   layer of each signature is kept, per-layer lists are subsampled and index lists remapped.
-  Period/offset layouts (``attn_layer_period``, ``expert_layer_offset``) become period 2 so both
-  kinds sit in two layers.
+  Also part of the signature: per-layer config dicts keyed by layer index (shrunk like the
+  config), ``num_dense_layers``, the last ``num_kv_shared_layers``, consecutive segments whose
+  ``*_layers`` counts sum to the layer count, and per-layer K/V source lists (a kept layer keeps
+  its source). Period/offset layouts (``attn_layer_period``, ``expert_layer_offset``) become
+  period 2 so both kinds sit in two layers. Vision ``*feature_layer*`` indices count from the
+  top of the (now 2-layer) tower.
 * **Experts.** :data:`EXPERTS` routed experts, top-k at most 2 and never above the experts,
   shared experts at most 1, expert groups at most 2 with one group picked; the router's
   auxiliary loss is switched on (``output_router_logits``) so it is part of the compared loss.
 * **Rotary.** Multimodal rotary sections (``mrope_section``) are rescaled to half the new
-  rotary dimension; per-frequency lists (long-rope factors) are subsampled to the new length.
-* **Randomness off.** Every dropout, layer-drop and router jitter is 0, so a training-mode
-  forward is deterministic.
+  rotary dimension (and set where the modeling code would fall back to the released model's
+  sections); ``rotary_dim`` keeps its fraction of the head; the partial rotary factor stays.
+* **Randomness off, no cache.** Every dropout, layer-drop and router jitter is 0, so a
+  training-mode forward is deterministic; ``use_cache`` is off (a training step).
 * **Soft-caps.** A final-logit soft-cap (not the attention one) becomes :data:`SOFTCAP`: tiny
   random models have logits far below a real cap of 30, where ``tanh`` is the identity and a
-  patch dropping the cap would pass (``tests/../notes``: blind spots of tiny inputs).
+  patch dropping the cap would pass (the census also scales the LM head).
 
 :data:`OVERRIDES` holds the few per-type fixes where a generic rule cannot work, each with its
 reason. Nothing here touches the network: configs come from classes, weights are random.
@@ -200,20 +213,16 @@ def _shrink_layer_overrides(overrides: Any) -> Any:
     return {k: _shrink_int(k, v, heads if _is_int(heads) else None) if _is_int(v) else v for k, v in overrides.items()}
 
 
-def _shrink_rope(rope: dict[str, Any], old_rotary_half: int | None, new_rotary_half: int) -> dict[str, Any]:
+def _shrink_rope(rope: dict[str, Any], new_rotary_half: int) -> dict[str, Any]:
     rope = dict(rope)
     if all(isinstance(v, dict) for v in rope.values()) and rope:  # per layer kind (Gemma 3n, ...)
-        return {k: _shrink_rope(v, old_rotary_half, new_rotary_half) for k, v in rope.items()}
+        return {k: _shrink_rope(v, new_rotary_half) for k, v in rope.items()}
     section = rope.get("mrope_section")
     if isinstance(section, list) and section and all(_is_int(x) for x in section):
         total = sum(section)
         scaled = [max(1, round(x * new_rotary_half / total)) for x in section]
         scaled[int(max(range(len(scaled)), key=lambda i: scaled[i]))] += new_rotary_half - sum(scaled)
         rope["mrope_section"] = scaled
-    for k, v in list(rope.items()):
-        if isinstance(v, list) and v and all(isinstance(x, float) for x in v) and len(v) == old_rotary_half:
-            step = len(v) / new_rotary_half
-            rope[k] = [v[int(i * step)] for i in range(new_rotary_half)]
     orig = rope.get("original_max_position_embeddings")
     if _is_int(orig):
         rope["original_max_position_embeddings"] = min(orig, MAX_POSITIONS // 2)
@@ -349,8 +358,7 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds, widths: frozenset[int] = fr
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(d.get(key), dict):
             factor = d[key].get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
-            old_half = int(old_head_dim * factor) // 2 if old_head_dim else None
-            d[key] = _shrink_rope(d[key], old_half, max(1, int(new_head_dim * factor) // 2))
+            d[key] = _shrink_rope(d[key], max(1, int(new_head_dim * factor) // 2))
     return d
 
 
@@ -439,6 +447,8 @@ def _shrink_int(key: str, value: Any, old_heads: int | None) -> Any:
         return min(value, KV_HEADS)
     if key in ("state_size", "ssm_state_size", "mamba_d_state", "d_state"):
         return min(value, 16)
+    if key == "original_max_position_embeddings":
+        return min(value, MAX_POSITIONS // 2)
     if key in _POSITION_KEYS:
         return min(value, MAX_POSITIONS)
     if key in ("sliding_window", "attention_chunk_size", "attention_window"):
