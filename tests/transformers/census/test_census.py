@@ -50,14 +50,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.transformers.census.tiny_configs import reserved_token_ids, text_vocab_size, tiny_config
+from tests.transformers.census.tiny_configs import SEQUENCE, reserved_token_ids, text_vocab_size, tiny_config
 from tests.utils import DEVICE
 
 CAUSAL_LM = "causal-lm"
 IMAGE_TEXT = "image-text-to-text"
 TASKS = (CAUSAL_LM, IMAGE_TEXT)
 
-BATCH, SEQ = 2, 16
+BATCH, SEQ = 2, SEQUENCE
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 HEAD_LOGIT_STD = 4.0  # logits' standard deviation after _scale_head: a cap of 2 saturates
@@ -116,14 +116,20 @@ def _short(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:160]}"
 
 
-def _defaults_build(model_cls: type, model_type: str) -> bool:
+def _as_decoder(config: Any, task: str) -> Any:
+    if task == CAUSAL_LM and "is_decoder" in config.to_dict():
+        config.is_decoder = True  # encoder families run as decoders under a causal-LM head
+    return config
+
+
+def _defaults_build(model_cls: type, model_type: str, task: str) -> bool:
     """Whether the config class defaults build ``model_cls`` (on the meta device: no memory)."""
     from transformers import CONFIG_MAPPING
 
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model_cls._from_config(_config_for(model_cls, CONFIG_MAPPING[model_type]()))
+            model_cls._from_config(_as_decoder(_config_for(model_cls, CONFIG_MAPPING[model_type]()), task))
         return True
     except Exception:
         return False
@@ -336,15 +342,13 @@ def run_case(task: str, model_type: str, seed: int = 0, corrupt: Any = None) -> 
             package = _missing_package(error)
             raise _NotBuilt(f"needs {package}" if package else f"class not importable: {_short(error)}") from error
         try:
-            config = _config_for(model_cls, tiny_config(model_type))
-            if task == CAUSAL_LM and "is_decoder" in config.to_dict():
-                config.is_decoder = True  # encoder families run as decoders under a causal-LM head
+            config = _as_decoder(_config_for(model_cls, tiny_config(model_type)), task)
             reference = _build(model_cls, config, seed)
         except Exception as error:
             package = _missing_package(error)
             if package:
                 raise _NotBuilt(f"needs {package}") from error
-            if not _defaults_build(model_cls, model_type):
+            if not _defaults_build(model_cls, model_type, task):
                 raise _NotBuilt(f"HF config defaults do not build the model either ({_short(error)})") from error
             raise _NotBuilt(f"tiny config rejected: {_short(error)}") from error
         _scale_head(reference)
@@ -356,7 +360,7 @@ def run_case(task: str, model_type: str, seed: int = 0, corrupt: Any = None) -> 
         try:
             ref_out = _loss(reference, ids, labels, seed)
         except Exception as error:
-            if task != IMAGE_TEXT:
+            if "pixel_values" not in inspect.signature(reference.forward).parameters:
                 raise _NotBuilt(f"forward with labels fails in HF: {_short(error)}") from error
             try:  # the text decoder cannot run alone: tiny random images
                 extra = _pixel_inputs(reference, config, ids, seed)

@@ -75,6 +75,7 @@ EXPERTS = 4
 TOP_K = 2
 SOFTCAP = 2.0
 MIN_LAYERS = 2
+SEQUENCE = 16  # the census's sequence length: longer than WINDOW; Reformer's override depends on it
 
 _HIDDEN_KEYS = {
     "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "embedding_dim", "embedding_size", "dim",
@@ -304,6 +305,11 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds, widths: frozenset[int] = fr
                 d[k] = [token_ids(x) for x in v]
         elif not (_is_int(v) or (isinstance(v, list) and v and all(_is_int(x) for x in v))):
             continue
+        elif isinstance(v, list) and len(v) > 1 and _is_int(original.get("hidden_size")) \
+                and sum(v) == original["hidden_size"] and "dim" in k:
+            # a partition of the hidden width (Reformer's axial position embeddings): same shares
+            d[k] = [x * HIDDEN // original["hidden_size"] for x in v[:-1]]
+            d[k].append(HIDDEN - sum(d[k]))
         else:
             d[k] = _shrink_int(k, v, old_heads)
             if d[k] == v and _is_int(v) and v in widths and ("dim" in k or "size" in k):
@@ -478,6 +484,10 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
                    "its sliding-window layers need head_dim = qk_nope_head_dim + qk_rope_head_dim, its other "
                    "layers take head_dim from per_layer_config"),
     "dots3_note_text": ({"head_dim": 2 * HEAD_DIM}, "as dots3_note"),
+    "reformer": ({"axial_pos_shape": [4, SEQUENCE // 4], "lsh_attn_chunk_length": WINDOW,
+                  "local_attn_chunk_length": WINDOW},
+                 "in training its axial position shape must multiply to the sequence length, which the "
+                 "attention chunks must divide"),
     "dbrx": ({"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
              "the default attention config has no rope_theta, and its clip_qkv None reaches torch.clamp"),
     "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
