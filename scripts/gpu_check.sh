@@ -10,7 +10,9 @@
 #
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (default: $OUT)
 # Environment:
-#   GPU_CHECK_TESTS=0|1 (1)   GPU_CHECK_BENCH=0|1 (1)   GPU_CHECK_E2E=0|1 (1)
+#   GPU_CHECK_TESTS=0|1 (1)   GPU_CHECK_BENCH=0|1 (1)   GPU_CHECK_E2E=0|1 (1)   GPU_CHECK_CENSUS=0|1 (0)
+#   GPU_CHECK_CENSUS=1 runs the full model census last (census.log, and the generated table as
+#                 models.md: copy it to docs/models.md); GPU_CHECK_CENSUS_JOBS (4) worker processes
 #   PYTEST_ARGS   extra pytest arguments, e.g. "-x" or "-k rms_norm"
 #   GPU_CHECK_WORKERS (6)  xdist workers for all but the memory-hungry tests
 #   BENCH_ARGS    extra arguments for python -m benchmarks, e.g. "--quick --ops rope"
@@ -51,6 +53,7 @@ PY=${PY:-python3}
 run_tests=${GPU_CHECK_TESTS:-1}
 run_bench=${GPU_CHECK_BENCH:-1}
 run_e2e=${GPU_CHECK_E2E:-1}
+run_census=${GPU_CHECK_CENSUS:-0}
 budget=${GPU_CHECK_BUDGET_S:-570}
 e2e_script=benchmarks/e2e_training.py
 [ -f "$e2e_script" ] || run_e2e=0
@@ -69,6 +72,7 @@ stage_seconds() {
     tests) [ "$run_bench" = 1 ] && reserve=$((reserve + 330)); [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)) ;;
     bench) [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)) ;;
   esac
+  [ "$1" != census ] && [ "$run_census" = 1 ] && reserve=$((reserve + 150))
   local s=$(($(remaining) - reserve - 10))
   [ "$s" -lt 30 ] && s=30
   echo "$s"
@@ -163,7 +167,7 @@ if [ "${GPU_CHECK_PEERS:-0}" = 1 ]; then
 fi
 
 status=0
-tests_rc=skipped bench_rc=skipped e2e_rc=skipped
+tests_rc=skipped bench_rc=skipped e2e_rc=skipped census_rc=skipped
 
 # ---------------------------------------------------------------- tests
 if [ "$run_tests" = 1 ]; then
@@ -221,6 +225,16 @@ if [ "$run_e2e" = 1 ]; then
   [ "$e2e_rc" = 0 ] || status=1
 fi
 
+# ---------------------------------------------------------------- model census
+if [ "$run_census" = 1 ]; then
+  secs=$(stage_seconds census)
+  echo "== model census (up to ${secs}s) ==" >&2
+  with_timeout "$secs" "$PY" -m tests.transformers.census.test_census --jobs "${GPU_CHECK_CENSUS_JOBS:-4}" \
+    --write-docs "$out/models.md" >"$out/census.log" 2>&1
+  census_rc=$?
+  [ "$census_rc" = 0 ] || status=1
+fi
+
 # ---------------------------------------------------------------- summary
 echo
 echo "================ gpu_check summary ($((SECONDS - started)) s) ================"
@@ -268,6 +282,11 @@ if [ "$run_e2e" = 1 ]; then
   else
     awk -v mark="=== $e2e_script ===" 'seen || $0 == mark { seen = 1; print }' "$out/bench.log" | tail -15
   fi
+fi
+echo "census: exit $census_rc"
+if [ "$run_census" = 1 ]; then
+  sed -n '/^== /,$p' "$out/census.log" | head -40
+  grep -E ': MISMATCH ' "$out/census.log" | head -10
 fi
 n_files=$(find "$out" -type f | wc -l)
 echo "files in $out ($n_files): $(find "$out" -type f -printf '%P ')"
