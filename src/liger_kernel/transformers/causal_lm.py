@@ -393,8 +393,9 @@ def _fused_loss_forward(
     fields: dict[str, Any] = {
         "loss": loss,
         "logits": logits,
-        "hidden_states": outputs.hidden_states,
-        "attentions": outputs.attentions,
+        # Not every decoder has them (a state-space model's outputs have no attentions).
+        "hidden_states": getattr(outputs, "hidden_states", None),
+        "attentions": getattr(outputs, "attentions", None),
     }
     output_class = CausalLMOutputWithPast
     if is_moe:
