@@ -32,7 +32,7 @@ from tests.transformers.tiny_models import model_types, tiny_model  # noqa: E402
 # One model type per pattern: the table (llama), dense and MoE decoders found by discovery,
 # Gemma-style norms with soft-cap, LayerNorm decoders, partial rotary, vision-language.
 FAST = ("causal_lm:llama", "causal_lm:qwen3_moe", "causal_lm:gemma3_text", "causal_lm:olmo2", "causal_lm:gpt2",
-        "causal_lm:phi", "causal_lm:granite", "image_text_to_text:llava")
+        "causal_lm:phi", "causal_lm:granite", "causal_lm:mamba", "image_text_to_text:llava")
 # Error allowed on the loss and each gradient, relative to the tensor's largest value (or to
 # 1e-3 of the largest gradient of the model, for gradients that are zero in exact arithmetic,
 # such as an attention key bias's): fp32 kernels differ from PyTorch's ops by rounding,
@@ -86,6 +86,9 @@ def census_entry(mapping: str, model_type: str, device: str = "cpu") -> CensusEn
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         reference = copy.deepcopy(model)
         reference_loss, reference_grads = _step(reference, batch)
+        again, _ = _step(reference, batch)
+        if not torch.equal(again, reference_loss):
+            raise RuntimeError("the unpatched training step is not deterministic")
     except Exception as error:  # noqa: BLE001 - the census records what it could not build
         entry.status, entry.detail = "not built", f"{type(error).__name__}: {str(error)[:160]}"
         return entry

@@ -98,6 +98,20 @@ def test_gated_mlp_with_other_math_is_left_alone(mlp, reason):
     assert isinstance(why, str) and reason in why
 
 
+class DropoutMLP(GatedMLP):
+    def forward(self, x):
+        return nn.functional.dropout(super().forward(x), 0.1, self.training)
+
+
+def test_dropout_inside_is_probed_in_training_mode():
+    """A model patched in eval mode (``from_pretrained``'s default) must not lose a module's
+    dropout in training: probes run in training mode, and the module's mode is restored."""
+    mlp = DropoutMLP(16, 24, nn.SiLU()).to(DEVICE).eval()
+    why = discovery.probe_mlp(mlp)
+    assert isinstance(why, str) and "dropout" in why
+    assert not mlp.training
+
+
 def _rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)

@@ -116,10 +116,9 @@ def shrink(config: Any) -> Any:
     for name in ("initializer_range",):
         if hasattr(config, name):
             setattr(config, name, 0.1)
-    for name in ("hidden_dropout", "attention_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                 "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout", "activation_dropout", "ffn_dropout"):
-        if isinstance(getattr(config, name, None), float):
-            setattr(config, name, 0.0)
+    for name, value in list(vars(config).items()):
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            _try_setattr(config, name, 0.0)  # deterministic steps: patched and unpatched compared
     if getattr(config, "tie_word_embeddings", None) is not None:
         config.tie_word_embeddings = False
     if getattr(config, "output_router_logits", None) is not None:

@@ -164,7 +164,7 @@ def _probe_norm_uncached(module: nn.Module) -> NormPlan | str:
     if device is None:
         return "parameters not materialised (meta device)"
     dtype = _probe_dtype(module)
-    probe = copy.deepcopy(module).float()
+    probe = copy.deepcopy(module).float().train()  # training mode: any dropout inside is active
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in probe.parameters():
@@ -302,11 +302,21 @@ def _probe_mlp_uncached(module: nn.Module, layout: str) -> MLPPlan | str:
     dtype = _probe_dtype(module)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, hidden, generator=generator).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        try:
+    # Probed in training mode (restored after): a forward with active dropout must not pass
+    # because the model happened to be in eval mode when patched.
+    was_training = module.training
+    module.train()
+    try:
+        with torch.no_grad():
             reference = type(module).forward(module, x)
-        except Exception as error:  # noqa: BLE001
-            return f"its forward failed on a probe: {type(error).__name__}"
+            again = type(module).forward(module, x)
+    except Exception as error:  # noqa: BLE001
+        return f"its forward failed on a probe: {type(error).__name__}"
+    finally:
+        module.train(was_training)
+    if isinstance(reference, torch.Tensor) and not torch.equal(reference, again):
+        return "its forward is not deterministic in training (dropout)"
+    with torch.no_grad():
         proxy = _Proxy(module, _liger_activation=activation, in_place=False)
         proxy.__dict__["_modules"] = module._modules
         try:
@@ -363,6 +373,8 @@ def _probe_experts_uncached(module: nn.Module) -> str | None:
     x = torch.randn(tokens, hidden, generator=generator).to(device=device, dtype=_probe_dtype(module))
     index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(device)
     weights = torch.rand(tokens, top_k, generator=generator).to(device=device, dtype=x.dtype)
+    was_training = module.training
+    module.train()
     with torch.no_grad():
         try:
             reference = module(x, index, weights)
@@ -371,6 +383,8 @@ def _probe_experts_uncached(module: nn.Module) -> str | None:
             result = liger_experts_forward(proxy, x, index, weights)
         except Exception as error:  # noqa: BLE001
             return f"its forward failed on a probe: {type(error).__name__}: {error}"
+        finally:
+            module.train(was_training)
     equal, error = _close(result, reference)
     return None if equal else f"differs from silu(gate) * up experts (relative error {error:.1e})"
 
