@@ -24,6 +24,7 @@ EXPERTS = 4
 TOP_K = 2
 VOCAB = 128
 SEQ = 12
+MAX_PARAMETERS = 20_000_000
 
 # attribute name -> tiny value (applied when the config has the attribute and it is an int).
 _SIZES = {
@@ -172,6 +173,10 @@ def tiny_model(model_type: str, mapping: str = "causal_lm", seed: int = 0) -> tu
 
     config = tiny_config(model_type)
     auto = AutoModelForCausalLM if mapping == "causal_lm" else AutoModelForImageTextToText
+    with torch.device("meta"):  # sizes the model before allocating it: a config not shrunk stays out
+        parameters = sum(p.numel() for p in auto.from_config(config, attn_implementation="eager").parameters())
+    if parameters > MAX_PARAMETERS:
+        raise ValueError(f"the shrunk config still has {parameters / 1e6:.0f} M parameters")
     torch.manual_seed(seed)
     model = auto.from_config(config, attn_implementation="eager").float()
     model.train()

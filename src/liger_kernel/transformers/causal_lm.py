@@ -209,6 +209,8 @@ class FusedLossSpec:
         output_class: ``"module:Class"`` of the model's own output (e.g. a vision-language
             model's, with its image hidden states); its fields not computed here are taken from
             the decoder's outputs by name. None: ``CausalLMOutputWithPast`` (``Moe...`` for MoE).
+        decoder_attr: the attribute holding the decoder the forward calls; None: the model's
+            ``base_model_prefix``.
         extra_parameters: names the model's own forward takes besides the standard ones
             (``pixel_values``, ``image_sizes``, ...): listed in the fused forward's signature
             (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
@@ -223,6 +225,7 @@ class FusedLossSpec:
     recompute_norm_outputs: bool = False
     output_class: str | None = None
     extra_parameters: tuple[str, ...] = ()
+    decoder_attr: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -304,7 +307,7 @@ def _fused_loss_forward(
                 output_router_logits = getattr(text_config, "output_router_logits", False)
         kwargs["output_router_logits"] = output_router_logits
 
-    base_model = getattr(self, self.base_model_prefix)
+    base_model = getattr(self, spec.decoder_attr or self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
     recompute = spec.recompute_norm_outputs and torch.is_grad_enabled() and not torch.compiler.is_compiling()
     if recompute:

@@ -7,8 +7,8 @@ model) this finds, by structure, the candidates
   ``torch.nn.LayerNorm``; RMSNorm as ``w * x_hat`` (Llama casting) or ``(1 + w) * x_hat`` in
   fp32 (Gemma), LayerNorm with or without bias; per-head q/k norms included;
 * gated MLPs: ``gate_proj``/``up_proj``/``down_proj`` linears or one fused ``gate_up_proj`` (gate
-  first) with an ``act_fn`` that is SiLU (SwiGLU) or tanh-GELU (GeGLU), dense, shared or one
-  expert of a list;
+  first) with an ``act_fn`` (or ``activation_fn``) that is SiLU (SwiGLU) or tanh-GELU (GeGLU),
+  dense, shared or one expert of a list;
 * fused experts: 3-D ``gate_up_proj``/``down_proj`` parameters behind HF's
   ``use_experts_implementation`` (only the activation ``act(gate) * up`` changes);
 * rotary embeddings: the module-level ``apply_rotary_pos_emb`` an attention forward calls
@@ -231,8 +231,16 @@ def _linear(module: nn.Module, name: str) -> bool:
     return isinstance(getattr(module, name, None), nn.Linear)
 
 
+_ACTIVATION_ATTRS = ("act_fn", "activation_fn")
+
+
+def mlp_activation(module: nn.Module) -> Any:
+    """The activation module a gated MLP applies to its gate (``act_fn`` or ``activation_fn``)."""
+    return next((getattr(module, name) for name in _ACTIVATION_ATTRS if callable(getattr(module, name, None))), None)
+
+
 def mlp_layout(module: nn.Module) -> str | None:
-    if not callable(getattr(module, "act_fn", None)) or not _linear(module, "down_proj"):
+    if mlp_activation(module) is None or not _linear(module, "down_proj"):
         return None
     if _linear(module, "gate_proj") and _linear(module, "up_proj"):
         return "split"
@@ -273,8 +281,8 @@ def probe_mlp(module: nn.Module, in_place: bool = False) -> MLPPlan | str:
         return "not a gated MLP"
     linears = tuple((name, tuple(child.weight.shape), child.bias is not None)
                     for name, child in module.named_children() if isinstance(child, nn.Linear))
-    key = (type(module), layout, type(module.act_fn), getattr(module.act_fn, "approximate", None), linears,
-           _probe_dtype(module))
+    act = mlp_activation(module)
+    key = (type(module), layout, type(act), getattr(act, "approximate", None), linears, _probe_dtype(module))
     if key not in _MLP_PROBES:
         _MLP_PROBES[key] = _probe_mlp_uncached(module, layout)
     return _MLP_PROBES[key]
@@ -292,9 +300,9 @@ class _Proxy:
 
 
 def _probe_mlp_uncached(module: nn.Module, layout: str) -> MLPPlan | str:
-    activation = activation_kind(module.act_fn)
+    activation = activation_kind(mlp_activation(module))
     if activation is None:
-        return f"its activation {type(module.act_fn).__name__} is neither SiLU nor tanh-GELU"
+        return f"its activation {type(mlp_activation(module)).__name__} is neither SiLU nor tanh-GELU"
     device = _probe_device(module)
     if device is None:
         return "parameters not materialised (meta device)"
@@ -604,12 +612,15 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
     head = getattr(model, head_name)
     if unwrapped_class(head) is not nn.Linear:
         return f"its output embedding is a {type(head).__name__}, not an nn.Linear"
-    prefix = getattr(model, "base_model_prefix", "")
-    if not isinstance(getattr(model, prefix, None), nn.Module) or prefix not in model._modules:
-        return f"no decoder under base_model_prefix {prefix!r}"
     source = _source(cls.forward)
     if "self.loss_function(" not in source or f"self.{head_name}(" not in source:
         return "its forward does not compute logits with its head and call self.loss_function"
+    # The decoder: the one other child the forward calls (``self.model(...)``), else the
+    # model's base_model_prefix.
+    called = [name for name in model._modules if name != head_name and f"self.{name}(" in source]
+    prefix = called[0] if len(called) == 1 else getattr(model, "base_model_prefix", "")
+    if prefix not in model._modules:
+        return f"no decoder among its children (base_model_prefix {getattr(model, 'base_model_prefix', '')!r})"
     text_config = _text_config(model.config)
     softcap = _SOFTCAP_ATTR if (_SOFTCAP_ATTR in source and getattr(text_config, _SOFTCAP_ATTR, None)) else None
     aux = None
@@ -622,7 +633,8 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
         if not (matching or present):
             return "a router loss whose expert count is not in the config"
         experts_attr = (matching or present)[0]
-    spec = FusedLossSpec(logit_softcap_attr=softcap, router_aux_loss_fn=aux, num_experts_attr=experts_attr)
+    spec = FusedLossSpec(logit_softcap_attr=softcap, router_aux_loss_fn=aux, num_experts_attr=experts_attr,
+                         decoder_attr=prefix)
     try:
         output_class, error = _compare_heads(model, cls, head_name, prefix, spec, text_config)
     except Exception as failure:  # noqa: BLE001 - a forward we cannot run on the probe stays HF's
