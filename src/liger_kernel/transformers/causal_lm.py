@@ -269,19 +269,7 @@ def _fused_loss_forward(
     skip_logits: bool | None = None,
     **kwargs: Any,
 ):
-    """The body of every forward :func:`fused_loss_forward` builds.
-
-    Arguments are those of the HF forward (``input_ids`` (B, T), ``labels`` (B, T), ...) plus
-    ``skip_logits``: True computes only the loss with the fused kernel (needs labels or
-    ``shift_labels``), False always returns logits; None (default) skips them exactly when
-    training with labels. Loss-only keyword arguments: ``num_items_in_batch``,
-    ``shift_labels`` (B, T), ``ignore_index``; ``return_dict=False`` returns a tuple; MoE
-    families take ``output_router_logits``. Everything else goes to the decoder.
-
-    The explicit signature matters: the Trainer keeps dataset columns named in it and passes
-    ``num_items_in_batch`` only to a forward with ``**kwargs``; ``generate()`` looks for
-    ``logits_to_keep``, ``attention_mask`` and ``position_ids`` in it.
-    """
+    """The body of every forward :func:`fused_loss_forward` builds (arguments documented there)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     config = self.config
@@ -446,22 +434,12 @@ def fused_loss_forward(spec: FusedLossSpec = FusedLossSpec()):
 
 @functools.cache
 def _build_fused_loss_forward(spec: FusedLossSpec):
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        skip_logits: bool | None = None,
-        **kwargs: Any,
-    ):
-        return _fused_loss_forward(self, spec, input_ids, attention_mask, position_ids, past_key_values,
-                                   inputs_embeds, labels, use_cache, logits_to_keep, skip_logits, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any):
+        return _fused_loss_forward(self, spec, *args, **kwargs)
 
+    # The body's named parameters (less ``spec``), which the Trainer and generate() read.
+    parameters = list(inspect.signature(_fused_loss_forward).parameters.values())
+    forward.__signature__ = inspect.Signature([parameters[0]] + parameters[2:])
     forward.__doc__ = fused_loss_forward.__doc__
     forward.__qualname__ = "liger_causal_lm_forward"
     if spec.extra_parameters:
