@@ -118,16 +118,24 @@ def shrink(config: Any) -> Any:
         if hasattr(config, name):
             setattr(config, name, 0.1)
     for name, value in list(vars(config).items()):
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+        if ("dropout" in name or "pdrop" in name or "jitter" in name) and isinstance(value, float):
             _try_setattr(config, name, 0.0)  # deterministic steps: patched and unpatched compared
     if getattr(config, "tie_word_embeddings", None) is not None:
         config.tie_word_embeddings = False
     if getattr(config, "output_router_logits", None) is not None:
         config.output_router_logits = True  # MoE: the router's auxiliary loss is part of the loss
     rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()):
+        rope.setdefault("mrope_section", [8, 12, 12])  # the modeling default, resized below
     for params in ([rope] + list(rope.values())) if isinstance(rope, dict) else ():
         if isinstance(params, dict) and "rope_type" in params and params.get("rope_theta") is None:
             params["rope_theta"] = 10000.0
+        if isinstance(params, dict) and isinstance(params.get("mrope_section"), list):
+            # multimodal rotary sections (temporal, height, width) cover half the rotary dims
+            factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+            half = int(HEAD_DIM * factor) // 2
+            count = len(params["mrope_section"])
+            params["mrope_section"] = [half // count + (1 if i < half % count else 0) for i in range(count)]
     for name in _SUB_CONFIGS:
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
