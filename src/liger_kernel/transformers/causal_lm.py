@@ -241,7 +241,9 @@ def _qualified(name: str):
     return value
 
 
-def _text_config(config):
+def text_config_of(config):
+    """The text (decoder) config of ``config``: itself for a causal LM, ``text_config`` for most
+    vision-language models."""
     get_text_config = getattr(config, "get_text_config", None)
     return get_text_config() if callable(get_text_config) else config
 
@@ -273,7 +275,7 @@ def _fused_loss_forward(
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     config = self.config
-    text_config = _text_config(config)
+    text_config = text_config_of(config)
 
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
