@@ -122,6 +122,8 @@ def shrink(config: Any) -> Any:
             _try_setattr(config, name, 0.0)  # deterministic steps: patched and unpatched compared
     if getattr(config, "tie_word_embeddings", None) is not None:
         config.tie_word_embeddings = False
+    if getattr(config, "logits_scaling", None) == 1.0:
+        config.logits_scaling = 4.0  # Granite: a scale of 1 would pass dropped
     if getattr(config, "output_router_logits", None) is not None:
         config.output_router_logits = True  # MoE: the router's auxiliary loss is part of the loss
     rope = getattr(config, "rope_parameters", None)

@@ -209,6 +209,10 @@ class FusedLossSpec:
         output_class: ``"module:Class"`` of the model's own output (e.g. a vision-language
             model's, with its image hidden states); its fields not computed here are taken from
             the decoder's outputs by name. None: ``CausalLMOutputWithPast`` (``Moe...`` for MoE).
+        logit_scale_attr: a constant the logits are multiplied by (Cohere's ``logit_scale``) or,
+            with ``logit_scale_divides``, divided by (Granite's ``logits_scaling``): read off the
+            model, else its text config. The fused loss scales the hidden states instead
+            (``(s h) W^T = s (h W^T)``; only for a head without bias).
         decoder_attr: the attribute holding the decoder the forward calls; None: the model's
             ``base_model_prefix``.
         extra_parameters: names the model's own forward takes besides the standard ones
@@ -226,6 +230,8 @@ class FusedLossSpec:
     output_class: str | None = None
     extra_parameters: tuple[str, ...] = ()
     decoder_attr: str | None = None
+    logit_scale_attr: str | None = None
+    logit_scale_divides: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -327,6 +333,12 @@ def _fused_loss_forward(
         raise ValueError("skip_logits=True needs `labels` or `shift_labels` to compute the loss from.")
 
     softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+    scale = None
+    if spec.logit_scale_attr is not None:
+        scale = getattr(self, spec.logit_scale_attr, None)
+        if scale is None:
+            scale = getattr(text_config, spec.logit_scale_attr)
+        scale = 1.0 / scale if spec.logit_scale_divides else scale
     lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
@@ -357,10 +369,11 @@ def _fused_loss_forward(
             )
         # Under FSDP2 (lm_head sharded on its own), DeepSpeed ZeRO-3 or accelerate offload the
         # weight is only materialised inside lm_head's own call: run the fused loss as that call.
+        scaled = hidden_states if scale is None else hidden_states * scale
         loss = call_with_full_parameters(
             lm_head,
             _fused_lm_head_loss,
-            hidden_states.reshape(-1, hidden_states.shape[-1]),
+            scaled.reshape(-1, scaled.shape[-1]),
             shift_labels.reshape(-1).to(hidden_states.device),
             ignore_index=ignore_index,
             reduction="sum" if num_items_in_batch is not None else "mean",
@@ -370,6 +383,8 @@ def _fused_loss_forward(
             loss = _divide_by_items(loss, num_items_in_batch)
     else:
         logits = lm_head(hidden_states)
+        if scale is not None:
+            logits = logits * scale
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if has_targets:

@@ -140,8 +140,11 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
         if not (matching or present):
             return "a router loss whose expert count is not in the config"
         experts_attr = (matching or present)[0]
+    scale_attr, divides = _logit_scale(source, model, text_config)
+    if scale_attr is not None and head.bias is not None:
+        return f"its logits are scaled by {scale_attr} and its head has a bias"
     spec = FusedLossSpec(logit_softcap_attr=softcap, router_aux_loss_fn=aux, num_experts_attr=experts_attr,
-                         decoder_attr=prefix)
+                         decoder_attr=prefix, logit_scale_attr=scale_attr, logit_scale_divides=divides)
     try:
         output_class, error = _compare_heads(model, cls, head_name, prefix, spec, text_config)
     except Exception as failure:  # noqa: BLE001 - a forward we cannot run on the probe stays HF's
@@ -152,6 +155,20 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
 
     return dataclasses.replace(spec, output_class=f"{output_class.__module__}:{output_class.__qualname__}",
                                extra_parameters=_extra_parameters(cls))
+
+
+_LOGIT_SCALE_ATTRS = ("logit_scale", "logits_scaling")
+
+
+def _logit_scale(source: str, model: nn.Module, text_config: Any) -> tuple[str | None, bool]:
+    """(the attribute a forward scales its logits by, whether it divides by it), from its source;
+    the probe then checks the fused forward does the same."""
+    for name in _LOGIT_SCALE_ATTRS:
+        for owner in ("self", "self.config"):
+            if f"{owner}.{name}" in source and (getattr(model, name, None) is not None
+                                                 or getattr(text_config, name, None) is not None):
+                return name, f"/ {owner}.{name}" in source
+    return None, False
 
 
 def _extra_parameters(cls: type) -> tuple[str, ...]:
