@@ -98,6 +98,20 @@ def test_gated_mlp_with_other_math_is_left_alone(mlp, reason):
     assert isinstance(why, str) and reason in why
 
 
+class DropoutMLP(GatedMLP):
+    def forward(self, x):
+        return nn.functional.dropout(super().forward(x), 0.1, self.training)
+
+
+def test_dropout_inside_is_probed_in_training_mode():
+    """A model patched in eval mode (``from_pretrained``'s default) must not lose a module's
+    dropout in training: probes run in training mode, and the module's mode is restored."""
+    mlp = DropoutMLP(16, 24, nn.SiLU()).to(DEVICE).eval()
+    why = discovery.probe_mlp(mlp)
+    assert isinstance(why, str) and "dropout" in why
+    assert not mlp.training
+
+
 def _rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
@@ -124,16 +138,38 @@ def test_rope_probe_accepts_rotate_half_and_rejects_interleaved():
     assert isinstance(why, str) and "not rotate-half" in why
 
 
-def test_head_with_a_logit_scale_keeps_its_forward():
-    """Granite divides its logits by ``logits_scaling``: the fused loss does not, so the probe
-    must leave the head alone when the scale is not 1 (and patch it when it is)."""
+def test_head_with_a_logit_scale_is_fused_with_the_scale():
+    """Granite divides its logits by ``logits_scaling``: the fused loss scales the hidden states
+    to match, and the patched step equals HF's."""
+    import copy
+
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    model, _ = tiny_model("granite")
-    assert "fused_linear_cross_entropy" in _apply_liger_kernel_to_instance(model).patched
-    model, _ = tiny_model("granite")
+    model, batch = tiny_model("granite")
     model.config.logits_scaling = 4.0
+    reference = copy.deepcopy(model)
     report = _apply_liger_kernel_to_instance(model)
+    assert "fused_linear_cross_entropy" in report.patched
+    torch.testing.assert_close(model(**batch).loss, reference(**batch).loss, rtol=1e-5, atol=1e-5)
+
+
+def test_head_computing_something_else_keeps_its_forward():
+    """A head whose logits the fused loss cannot reproduce (here a per-token scale) stays HF's."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from liger_kernel.transformers.patching.generic import patch_discovered
+    from liger_kernel.transformers.patching.options import PatchOptions
+    from transformers import LlamaForCausalLM
+
+    class TokenScaledLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            logits = self.lm_head(hidden) * torch.linspace(0.5, 1.5, self.config.vocab_size, device=hidden.device)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    config = tiny_model("llama")[0].config
+    report = patch_discovered(TokenScaledLlama(config).to(DEVICE), PatchOptions())
     assert "fused_linear_cross_entropy" not in report.patched
     assert any("loss" in what and "differs" in why for what, why in report.left_alone), report.left_alone
 

@@ -24,6 +24,7 @@ EXPERTS = 4
 TOP_K = 2
 VOCAB = 128
 SEQ = 12
+MAX_PARAMETERS = 20_000_000
 
 # attribute name -> tiny value (applied when the config has the attribute and it is an int).
 _SIZES = {
@@ -51,6 +52,7 @@ _SIZES = {
     "image_size": 28, "patch_size": 14, "num_channels": 3, "projection_dim": HIDDEN,
     "vision_feature_layer": -1, "mm_tokens_per_image": 4, "spatial_merge_size": 2, "temporal_patch_size": 1,
     "out_hidden_size": HIDDEN, "depth": 2, "image_token_index": VOCAB - 1, "image_token_id": VOCAB - 1,
+    "rotary_dim": HEAD_DIM // 2,
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 _LAYER_KIND_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_layer_types", "block_types",
@@ -80,17 +82,20 @@ def shrink(config: Any) -> Any:
                 setattr(config, name, value)
             except Exception:
                 pass
+    for name, value in (("head_dim", HEAD_DIM), ("num_key_value_heads", KV_HEADS)):
+        if name in getattr(config, "__dict__", {}) and getattr(config, name) is None:
+            _try_setattr(config, name, value)  # "derive it" defaults some modeling code reads as is
     n_layers = None
     for name in _LAYER_KIND_LISTS:
         kinds = getattr(config, name, None)
         if isinstance(kinds, (list, tuple)) and kinds:
             kept = _one_of_each(list(kinds))
-            n_layers = max(n_layers or 0, len(kept))
-            setattr(config, name, kept)
+            if _try_setattr(config, name, kept):
+                n_layers = max(n_layers or 0, len(kept))
         elif isinstance(kinds, str) and kinds:
             kept = "".join(dict.fromkeys(kinds)) if len(set(kinds)) > 1 else kinds[:2]
-            setattr(config, name, kept)
-            n_layers = max(n_layers or 0, len(kept))
+            if _try_setattr(config, name, kept):
+                n_layers = max(n_layers or 0, len(kept))
     if n_layers is not None:
         for name in ("num_hidden_layers", "n_layer", "num_layers"):
             if isinstance(getattr(config, name, None), int):
@@ -98,7 +103,7 @@ def shrink(config: Any) -> Any:
         for name in _LAYER_KIND_LISTS:
             kinds = getattr(config, name, None)
             if isinstance(kinds, list) and len(kinds) < n_layers:
-                setattr(config, name, (kinds * n_layers)[:n_layers])
+                _try_setattr(config, name, (kinds * n_layers)[:n_layers])
     for name in _TOKEN_IDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value >= VOCAB:
@@ -112,19 +117,41 @@ def shrink(config: Any) -> Any:
     for name in ("initializer_range",):
         if hasattr(config, name):
             setattr(config, name, 0.1)
-    for name in ("hidden_dropout", "attention_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                 "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout", "activation_dropout", "ffn_dropout"):
-        if isinstance(getattr(config, name, None), float):
-            setattr(config, name, 0.0)
+    for name, value in list(vars(config).items()):
+        if ("dropout" in name or "pdrop" in name or "jitter" in name) and isinstance(value, float):
+            _try_setattr(config, name, 0.0)  # deterministic steps: patched and unpatched compared
     if getattr(config, "tie_word_embeddings", None) is not None:
         config.tie_word_embeddings = False
+    if getattr(config, "logits_scaling", None) == 1.0:
+        config.logits_scaling = 4.0  # Granite: a scale of 1 would pass dropped
     if getattr(config, "output_router_logits", None) is not None:
         config.output_router_logits = True  # MoE: the router's auxiliary loss is part of the loss
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()):
+        rope.setdefault("mrope_section", [8, 12, 12])  # the modeling default, resized below
+    for params in ([rope] + list(rope.values())) if isinstance(rope, dict) else ():
+        if isinstance(params, dict) and "rope_type" in params and params.get("rope_theta") is None:
+            params["rope_theta"] = 10000.0
+        if isinstance(params, dict) and isinstance(params.get("mrope_section"), list):
+            # multimodal rotary sections (temporal, height, width) cover half the rotary dims
+            factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+            half = int(HEAD_DIM * factor) // 2
+            count = len(params["mrope_section"])
+            params["mrope_section"] = [half // count + (1 if i < half % count else 0) for i in range(count)]
     for name in _SUB_CONFIGS:
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
             shrink(sub)
     return config
+
+
+def _try_setattr(config: Any, name: str, value: Any) -> bool:
+    """``setattr``, False where the attribute is a read-only property derived from others."""
+    try:
+        setattr(config, name, value)
+    except AttributeError:
+        return False
+    return True
 
 
 def tiny_config(model_type: str) -> Any:
@@ -156,6 +183,10 @@ def tiny_model(model_type: str, mapping: str = "causal_lm", seed: int = 0) -> tu
 
     config = tiny_config(model_type)
     auto = AutoModelForCausalLM if mapping == "causal_lm" else AutoModelForImageTextToText
+    with torch.device("meta"):  # sizes the model before allocating it: a config not shrunk stays out
+        parameters = sum(p.numel() for p in auto.from_config(config, attn_implementation="eager").parameters())
+    if parameters > MAX_PARAMETERS:
+        raise ValueError(f"the shrunk config still has {parameters / 1e6:.0f} M parameters")
     torch.manual_seed(seed)
     model = auto.from_config(config, attn_implementation="eager").float()
     model.train()

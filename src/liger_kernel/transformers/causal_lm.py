@@ -210,6 +210,12 @@ class FusedLossSpec:
         output_class: ``"module:Class"`` of the model's own output (e.g. a vision-language
             model's, with its image hidden states); its fields not computed here are taken from
             the decoder's outputs by name. None: ``CausalLMOutputWithPast`` (``Moe...`` for MoE).
+        logit_scale_attr: a constant the logits are multiplied by (Cohere's ``logit_scale``) or,
+            with ``logit_scale_divides``, divided by (Granite's ``logits_scaling``): read off the
+            model, else its text config. The fused loss scales the hidden states instead
+            (``(s h) W^T = s (h W^T)``; only for a head without bias).
+        decoder_attr: the attribute holding the decoder the forward calls; None: the model's
+            ``base_model_prefix``.
         extra_parameters: names the model's own forward takes besides the standard ones
             (``pixel_values``, ``image_sizes``, ...): listed in the fused forward's signature
             (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
@@ -224,6 +230,9 @@ class FusedLossSpec:
     recompute_norm_outputs: bool = False
     output_class: str | None = None
     extra_parameters: tuple[str, ...] = ()
+    decoder_attr: str | None = None
+    logit_scale_attr: str | None = None
+    logit_scale_divides: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -239,7 +248,9 @@ def _qualified(name: str):
     return value
 
 
-def _text_config(config):
+def text_config_of(config):
+    """The text (decoder) config of ``config``: itself for a causal LM, ``text_config`` for most
+    vision-language models."""
     get_text_config = getattr(config, "get_text_config", None)
     return get_text_config() if callable(get_text_config) else config
 
@@ -267,23 +278,11 @@ def _fused_loss_forward(
     skip_logits: bool | None = None,
     **kwargs: Any,
 ):
-    """The body of every forward :func:`fused_loss_forward` builds.
-
-    Arguments are those of the HF forward (``input_ids`` (B, T), ``labels`` (B, T), ...) plus
-    ``skip_logits``: True computes only the loss with the fused kernel (needs labels or
-    ``shift_labels``), False always returns logits; None (default) skips them exactly when
-    training with labels. Loss-only keyword arguments: ``num_items_in_batch``,
-    ``shift_labels`` (B, T), ``ignore_index``; ``return_dict=False`` returns a tuple; MoE
-    families take ``output_router_logits``. Everything else goes to the decoder.
-
-    The explicit signature matters: the Trainer keeps dataset columns named in it and passes
-    ``num_items_in_batch`` only to a forward with ``**kwargs``; ``generate()`` looks for
-    ``logits_to_keep``, ``attention_mask`` and ``position_ids`` in it.
-    """
+    """The body of every forward :func:`fused_loss_forward` builds (arguments documented there)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     config = self.config
-    text_config = _text_config(config)
+    text_config = text_config_of(config)
 
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
@@ -305,7 +304,7 @@ def _fused_loss_forward(
                 output_router_logits = getattr(text_config, "output_router_logits", False)
         kwargs["output_router_logits"] = output_router_logits
 
-    base_model = getattr(self, self.base_model_prefix)
+    base_model = getattr(self, spec.decoder_attr or self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
     recompute = spec.recompute_norm_outputs and torch.is_grad_enabled() and not torch.compiler.is_compiling()
     if recompute:
@@ -335,6 +334,12 @@ def _fused_loss_forward(
         raise ValueError("skip_logits=True needs `labels` or `shift_labels` to compute the loss from.")
 
     softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+    scale = None
+    if spec.logit_scale_attr is not None:
+        scale = getattr(self, spec.logit_scale_attr, None)
+        if scale is None:
+            scale = getattr(text_config, spec.logit_scale_attr)
+        scale = 1.0 / scale if spec.logit_scale_divides else scale
     lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
@@ -365,10 +370,11 @@ def _fused_loss_forward(
             )
         # Under FSDP2 (lm_head sharded on its own), DeepSpeed ZeRO-3 or accelerate offload the
         # weight is only materialised inside lm_head's own call: run the fused loss as that call.
+        scaled = hidden_states if scale is None else hidden_states * scale
         loss = call_with_full_parameters(
             lm_head,
             _fused_lm_head_loss,
-            hidden_states.reshape(-1, hidden_states.shape[-1]),
+            scaled.reshape(-1, scaled.shape[-1]),
             shift_labels.reshape(-1).to(hidden_states.device),
             ignore_index=ignore_index,
             reduction="sum" if num_items_in_batch is not None else "mean",
@@ -378,6 +384,8 @@ def _fused_loss_forward(
             loss = _divide_by_items(loss, num_items_in_batch)
     else:
         logits = lm_head(hidden_states)
+        if scale is not None:
+            logits = logits * scale
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if has_targets:
@@ -394,8 +402,9 @@ def _fused_loss_forward(
     fields: dict[str, Any] = {
         "loss": loss,
         "logits": logits,
-        "hidden_states": outputs.hidden_states,
-        "attentions": outputs.attentions,
+        # Not every decoder has them (a state-space model's outputs have no attentions).
+        "hidden_states": getattr(outputs, "hidden_states", None),
+        "attentions": getattr(outputs, "attentions", None),
     }
     output_class = CausalLMOutputWithPast
     if is_moe:
@@ -443,22 +452,12 @@ def fused_loss_forward(spec: FusedLossSpec = FusedLossSpec()):
 
 @functools.cache
 def _build_fused_loss_forward(spec: FusedLossSpec):
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        skip_logits: bool | None = None,
-        **kwargs: Any,
-    ):
-        return _fused_loss_forward(self, spec, input_ids, attention_mask, position_ids, past_key_values,
-                                   inputs_embeds, labels, use_cache, logits_to_keep, skip_logits, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any):
+        return _fused_loss_forward(self, spec, *args, **kwargs)
 
+    # The body's named parameters (less ``spec``), which the Trainer and generate() read.
+    parameters = list(inspect.signature(_fused_loss_forward).parameters.values())
+    forward.__signature__ = inspect.Signature([parameters[0]] + parameters[2:])
     forward.__doc__ = fused_loss_forward.__doc__
     forward.__qualname__ = "liger_causal_lm_forward"
     if spec.extra_parameters:

@@ -96,15 +96,18 @@ _APPLY_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms
                      "recompute_norm_outputs", "in_place")
 
 
-def _make_apply_fn(family: ModelFamily) -> Callable[..., PatchReport | None]:
-    option = family.mlp.option
+def _apply_function(model_type: str, names: tuple[str, ...], on_classes: Callable[[PatchOptions], None],
+                    on_instance: Callable[[nn.Module, PatchOptions], PatchReport]) -> Callable[..., PatchReport | None]:
+    """``apply_liger_kernel_to_<model_type>`` taking the options ``names`` (and ``model``): their
+    values become one :class:`PatchOptions`, given to ``on_instance(model, options)`` or, without
+    a model, to ``on_classes(options)``."""
     defaults = PatchOptions()
-    parameters = []
-    for name in _APPLY_PARAMETERS:
-        name = name.format(gated=option)
-        default, annotation = (None, "PreTrainedModel | None") if name == "model" else (getattr(defaults, name), "bool")
-        parameters.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
-                                            annotation=annotation))
+    parameters = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          default=None if name == "model" else getattr(defaults, name),
+                          annotation="PreTrainedModel | None" if name == "model" else "bool")
+        for name in names
+    ]
     signature = inspect.Signature(parameters, return_annotation="PatchReport | None")
 
     def apply(*args: Any, **kwargs: Any) -> PatchReport | None:
@@ -114,13 +117,21 @@ def _make_apply_fn(family: ModelFamily) -> Callable[..., PatchReport | None]:
         model = arguments.pop("model")
         options = PatchOptions(**arguments)
         if model is None:
-            patch_classes(family, options)
+            on_classes(options)
             return None
-        return patch_instance(family, model, options)
+        return on_instance(model, options)
 
-    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{family.model_type}"
+    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{model_type.replace('-', '_')}"
     apply.__module__ = "liger_kernel.transformers.monkey_patch"
     apply.__signature__ = signature
+    return apply
+
+
+def _make_apply_fn(family: ModelFamily) -> Callable[..., PatchReport | None]:
+    option = family.mlp.option
+    names = tuple(name.format(gated=option) for name in _APPLY_PARAMETERS)
+    apply = _apply_function(family.model_type, names, functools.partial(patch_classes, family),
+                            functools.partial(patch_instance, family))
     apply.__doc__ = f"""Patch {family.model_type} models ({family.causal_lm_class}) with Liger kernels.
 
     Args:
@@ -210,29 +221,8 @@ _DISCOVERED_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy",
 
 
 def _make_discovered_apply_fn(model_type: str) -> Callable[..., PatchReport | None]:
-    defaults = PatchOptions()
-    parameters = [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                          default=None if name == "model" else getattr(defaults, name),
-                          annotation="PreTrainedModel | None" if name == "model" else "bool")
-        for name in _DISCOVERED_PARAMETERS
-    ]
-    signature = inspect.Signature(parameters, return_annotation="PatchReport | None")
-
-    def apply(*args: Any, **kwargs: Any) -> PatchReport | None:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        model = arguments.pop("model")
-        options = PatchOptions(**arguments)
-        if model is None:
-            patch_discovered_classes(model_type, options)
-            return None
-        return patch_discovered(unwrap_peft(model), options)
-
-    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{model_type.replace('-', '_')}"
-    apply.__module__ = "liger_kernel.transformers.monkey_patch"
-    apply.__signature__ = signature
+    apply = _apply_function(model_type, _DISCOVERED_PARAMETERS, functools.partial(patch_discovered_classes, model_type),
+                            lambda model, options: patch_discovered(unwrap_peft(model), options))
     apply.__doc__ = f"""Patch {model_type} models with every Liger kernel discovery proves equal.
 
     The modules of the model (norms, gated MLPs and experts, the rotary function its attention

@@ -16,7 +16,7 @@ import logging
 from torch import nn
 
 from liger_kernel.transformers.causal_lm import fused_loss_forward, liger_causal_lm_loss
-from liger_kernel.transformers.patching import discovery
+from liger_kernel.transformers.patching import discovery, head_probe
 from liger_kernel.transformers.patching.binding import bind_method, with_global_overrides
 from liger_kernel.transformers.patching.options import PatchOptions
 from liger_kernel.transformers.patching.report import PatchReport
@@ -98,7 +98,7 @@ class _Walk:
         if self._rope_dims is None:
             self.leave(module, "no rotary embedding module whose cos gives the rotary dims")
             return
-        device = discovery._probe_device(module) or next((p.device for p in self.model.parameters()), None)
+        device = discovery.probe_device(module) or next((p.device for p in self.model.parameters()), None)
         why = discovery.probe_rope(fn, *self._rope_dims, device=device)
         if why is not None:
             self.leave(module, why)
@@ -128,8 +128,8 @@ def patch_head(model: nn.Module, options: PatchOptions, report: PatchReport) -> 
     head probe passes; the recompute's consumer hooks installed with it."""
     if not (options.fused_linear_cross_entropy or options.cross_entropy):
         return
-    cls = discovery.base_class(model)
-    spec = discovery.probe_head(model)
+    cls = head_probe.base_class(model)
+    spec = head_probe.probe_head(model)
     if isinstance(spec, str):
         report.leave(cls.__name__ + " (loss)", spec)
         return
