@@ -61,13 +61,33 @@ def close_enough(result: torch.Tensor, reference: torch.Tensor) -> tuple[bool, f
     return error <= rtol, error
 
 
+def kernel_device(device: torch.device) -> torch.device:
+    """Where the kernels can run a probe of a module on ``device``: the device itself, or, for a
+    module still on the CPU while Triton compiles for CUDA (no interpreter), the current GPU:
+    models are often patched before they are moved there."""
+    from liger_kernel.ops.launch import is_interpreter
+
+    if device.type == "cpu" and not is_interpreter() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def probe_device(module: nn.Module) -> torch.device | None:
-    """The device a probe runs on (the module's), None when its parameters are not materialised."""
+    """The device a probe runs on (see :func:`kernel_device`), None when the module's parameters
+    are not materialised."""
     for tensor in list(module.parameters()) + list(module.buffers()):
         if tensor.is_meta:
             return None
-        return tensor.device
-    return torch.device("cpu")
+        return kernel_device(tensor.device)
+    return kernel_device(torch.device("cpu"))
+
+
+def on_probe_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module``, or a copy of it on ``device`` when its parameters live elsewhere."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    if all(t.device == device for t in tensors):
+        return module
+    return copy.deepcopy(module).to(device)
 
 
 def _probe_dtype(module: nn.Module) -> torch.dtype:
@@ -163,7 +183,7 @@ def _probe_norm_uncached(module: nn.Module) -> NormPlan | str:
     if device is None:
         return "parameters not materialised (meta device)"
     dtype = _probe_dtype(module)
-    probe = copy.deepcopy(module).float().train()  # training mode: any dropout inside is active
+    probe = copy.deepcopy(module).float().train().to(device)  # training mode: any dropout inside is active
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in probe.parameters():
@@ -302,6 +322,7 @@ def _probe_mlp_uncached(module: nn.Module, layout: str) -> MLPPlan | str:
     device = probe_device(module)
     if device is None:
         return "parameters not materialised (meta device)"
+    module = on_probe_device(module, device)
     hidden = module.down_proj.weight.shape[0]
     dtype = _probe_dtype(module)
     generator = torch.Generator().manual_seed(1)
@@ -371,6 +392,7 @@ def _probe_experts_uncached(module: nn.Module) -> str | None:
     device = probe_device(module)
     if device is None:
         return "parameters not materialised (meta device)"
+    module = on_probe_device(module, device)
     experts, _, hidden = module.gate_up_proj.shape
     generator = torch.Generator().manual_seed(2)
     tokens, top_k = 6, min(2, experts)

@@ -36,7 +36,10 @@ def _patch_norm(module: nn.Module, plan: discovery.NormPlan, options: PatchOptio
     eps = discovery.norm_epsilon(module)
     if getattr(module, "variance_epsilon", None) is None and getattr(module, "eps", None) is None:
         module.variance_epsilon = eps
-    module.in_place = options.in_place
+    # Never in place: whether a discovered norm's output gradient is shared (a norm feeding a
+    # residual add directly, as the post-norms of Gemma 3 and OLMo 2 do) is not known from
+    # the probe, and the ownership check does not see every such sharing on every torch.
+    module.in_place = False
     liger = LigerLayerNorm if plan.kind == "layer_norm" else LigerRMSNorm
     if plan.kind == "rms_norm":
         module.offset = plan.offset

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from liger_kernel.transformers.causal_lm import text_config_of
-from liger_kernel.transformers.patching.discovery import close_enough
+from liger_kernel.transformers.patching.discovery import close_enough, kernel_device
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"forward"}
 _EXPERT_COUNT_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -206,20 +206,23 @@ def _compare_heads(model: nn.Module, cls: type, head_name: str, prefix: str, spe
         stand_in.vocab_size = vocab
     softcap = getattr(text_config_of(config), spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
     scale = 3.0 * (softcap or 10.0) / hidden ** 0.5
+    device = kernel_device(getattr(model, head_name).weight.device)
     head = nn.Linear(hidden, vocab, bias=getattr(model, head_name).bias is not None)
     with torch.no_grad():
         head.weight.copy_(torch.randn(vocab, hidden, generator=generator) * scale / 3.0)
         if head.bias is not None:
             head.bias.copy_(torch.randn(vocab, generator=generator))
+    head.to(device)
     stand_in._modules[head_name] = head
-    hidden_states = torch.randn(batch, seq, hidden, generator=generator, requires_grad=True)
+    hidden_states = torch.randn(batch, seq, hidden, generator=generator).to(device).requires_grad_()
     fields = _StubOutput(last_hidden_state=hidden_states)
     if spec.is_moe:
         experts = getattr(text_config_of(config), spec.num_experts_attr)
-        fields["router_logits"] = tuple(torch.randn(batch * seq, experts, generator=generator) for _ in range(2))
-    stand_in._modules[prefix] = _StubDecoder(fields, vocab, hidden)
+        fields["router_logits"] = tuple(torch.randn(batch * seq, experts, generator=generator).to(device)
+                                        for _ in range(2))
+    stand_in._modules[prefix] = _StubDecoder(fields, vocab, hidden).to(device)
     stand_in.train()
-    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
     labels = input_ids.clone()
     labels[0, :2] = -100
     common = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
@@ -227,7 +230,7 @@ def _compare_heads(model: nn.Module, cls: type, head_name: str, prefix: str, spe
         common["output_router_logits"] = True
     fused = fused_loss_forward(dataclasses.replace(spec, output_class=None))
     weights = [hidden_states, head.weight]
-    for extra in ({}, {"num_items_in_batch": torch.tensor(9)}):
+    for extra in ({}, {"num_items_in_batch": torch.tensor(9, device=device)}):
         reference = cls.forward(stand_in, **common, **extra)
         reference_grads = torch.autograd.grad(reference.loss, weights)
         for skip_logits in (True, False):
