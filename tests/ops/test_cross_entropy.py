@@ -429,7 +429,7 @@ def test_kernel_is_out_of_bounds_safe():
     guard_before, guard_after = storage[0].clone(), storage[-1].clone()
     target = torch.tensor([3, 10, -5, 1 << 40], device=DEVICE)
     loss, _, _, grad = cross_entropy_forward(
-        logits, target, None, -100, 0.0, 0.0, 0.0, "none", True, True, False
+        logits, target, None, -100, 0.0, 0.0, 0.0, "none", True, True
     )
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1:]).all()
     assert torch.equal(storage[0], guard_before) and torch.equal(storage[-1], guard_after)

@@ -37,19 +37,19 @@ def check_same_device(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> tor
     """
     device = None
     first = None
-    data_free = True
+    given = []
     for name, t in tensors:
         if t is None:
             continue
         check_tensor(t, name)
-        data_free = data_free and has_no_data(t)
+        given.append(t)
         if device is None:
             device, first = t.device, name
         elif t.device != device:
             raise ValueError(f"{name} is on {t.device} but {first} is on {device}; all tensors must be on one device")
     if device is None:
         raise ValueError("no tensor given")
-    if device.type != "cuda" and not data_free and not is_interpreter():
+    if device.type != "cuda" and not is_interpreter() and not all(map(has_no_data, given)):
         raise ValueError(
             f"{first} is on {device}: liger_kernel kernels run on CUDA tensors "
             "(or on CPU tensors with TRITON_INTERPRET=1 set before triton is imported)"

@@ -241,8 +241,10 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs):
 def has_no_data(t: torch.Tensor) -> bool:
     """Whether ``t`` only describes a tensor: on the meta device, or a fake tensor (of a
     caller's ``FakeTensorMode``, ``torch.export``, or ``torch.compile`` tracing) whatever
-    device it claims. No kernel ever runs on such a tensor, so its device need not suit Triton."""
-    return t.is_meta or is_fake(t)
+    device it claims. No kernel ever runs on such a tensor, so its device need not suit Triton.
+    While torch.compile traces, its fake tensors stand for the real ones the graph will run
+    on: they count as having data (and Dynamo could not trace ``is_fake``)."""
+    return t.is_meta or (not torch.compiler.is_compiling() and is_fake(t))
 
 
 def _any_meta(args: tuple) -> bool:
