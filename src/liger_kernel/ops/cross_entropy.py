@@ -522,61 +522,46 @@ def _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, l
 # wrong output of such a forward: zero gradients).
 
 
-@liger_custom_op("cross_entropy_forward")
-def cross_entropy_forward(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    reduction: str,
-    compute_grad: bool,
-    compute_accuracy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher: float32 loss, z-loss, token accuracy (reduced per ``reduction``) and dL/dlogits.
+def _forward_launcher(in_place: bool):
+    """The launcher registered as one of the two ops (its annotations are the op's schema)."""
 
-    ``logits`` (N, V) with unit column stride (left untouched), ``target`` (N,) integer. The
-    gradient is a fresh (N, V) tensor of the logits dtype (empty without ``compute_grad``).
-    ``softcap <= 0`` disables the cap. Arguments are trusted (checked by the autograd Function).
-    """
-    return _forward(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                    reduction, compute_grad, compute_accuracy, False)
+    def launcher(
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        class_weight: torch.Tensor | None,
+        ignore_index: int,
+        label_smoothing: float,
+        lse_square_scale: float,
+        softcap: float,
+        reduction: str,
+        compute_grad: bool,
+        compute_accuracy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _forward(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                        reduction, compute_grad, compute_accuracy, in_place)
 
+    def fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+             compute_grad, compute_accuracy):
+        return _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                             reduction, compute_grad, compute_accuracy, in_place)
 
-@cross_entropy_forward.register_fake
-def _cross_entropy_forward_fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale,
-                                softcap, reduction, compute_grad, compute_accuracy):
-    return _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                         reduction, compute_grad, compute_accuracy, False)
+    return launcher, fake
 
 
-@liger_custom_op("cross_entropy_forward_in_place", mutates_args=("logits",))
-def cross_entropy_forward_in_place(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    reduction: str,
-    compute_grad: bool,
-    compute_accuracy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cross_entropy_forward` whose gradient (with ``compute_grad``, where the rows of
-    ``logits`` are disjoint) overwrites ``logits``; the returned gradient is then an empty
-    placeholder. Only for logits nothing else can read (the autograd Function decides)."""
-    return _forward(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                    reduction, compute_grad, compute_accuracy, True)
-
-
-@cross_entropy_forward_in_place.register_fake
-def _cross_entropy_forward_in_place_fake(logits, target, class_weight, ignore_index, label_smoothing,
-                                         lse_square_scale, softcap, reduction, compute_grad, compute_accuracy):
-    return _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                         reduction, compute_grad, compute_accuracy, True)
+# Launcher: float32 loss, z-loss, token accuracy (reduced per ``reduction``) and dL/dlogits of
+# ``logits`` (N, V) with unit column stride and ``target`` (N,) integer; ``softcap <= 0``
+# disables the cap; arguments are trusted (checked by the autograd Function). The gradient
+# is a fresh (N, V) tensor of the logits' dtype (empty without ``compute_grad``), and the
+# logits are left untouched.
+_launcher, _cross_entropy_forward_fake = _forward_launcher(False)
+cross_entropy_forward = liger_custom_op("cross_entropy_forward")(_launcher)
+cross_entropy_forward.register_fake(_cross_entropy_forward_fake)
+# The same, but with ``compute_grad`` (and rows of ``logits`` that are disjoint) the gradient
+# overwrites ``logits`` and the returned gradient is an empty placeholder: only for logits
+# nothing else can read (the autograd Function decides).
+_launcher, _fake = _forward_launcher(True)
+cross_entropy_forward_in_place = liger_custom_op("cross_entropy_forward_in_place", mutates_args=("logits",))(_launcher)
+cross_entropy_forward_in_place.register_fake(_fake)
 
 
 def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, overwrite: bool,
