@@ -123,11 +123,40 @@ def grad_ownership_report(run) -> str:
             f"limits {ops_utils._OWNED_GRAD_REFERENCES}; compiling {torch.compiler.is_compiling()}")
 
 
+class ReplayedDropout:
+    """An in-place dropout whose mask is drawn once and replayed: the first call runs
+    ``F.dropout(y, p, training=True, inplace=True)`` on ``y`` (the op under test's output)
+    and records which elements it kept; later calls (on the reference's output) zero the
+    same elements and scale the rest by ``1 / (1 - p)`` in place.
+
+    Reseeding before each call does not give the same mask on CUDA: its in-place dropout
+    draws the mask with ``bernoulli_`` on a tensor of the edited tensor's dtype, and
+    Philox is consumed differently for float32 and float64. The mask is read off the first
+    output, so its elements must all be nonzero (else a dropped and a kept zero would look
+    alike); random inputs give that, and the check says so if not.
+    """
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.p = p
+        self.kept: torch.Tensor | None = None
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        if self.kept is None:
+            assert bool((y != 0).all()), "the output to drop out has exact zeros: the mask cannot be read off it"
+            torch.nn.functional.dropout(y, p=self.p, training=True, inplace=True)
+            self.kept = y.detach() != 0
+            assert 0 < int(self.kept.sum()) < self.kept.numel(), "the dropout kept all or nothing"
+            return y
+        return y.mul_(self.kept.to(y.dtype) / (1.0 - self.p))
+
+
 def forward_backward_with_output_edit(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, edit: str,
-                                      steer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                      steer: torch.Tensor, dropout: ReplayedDropout | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, dx)`` of ``module(x)`` whose output is edited in place before the backward (with
     ``dy``): ``edit`` "hook" adds ``steer`` in a forward hook (activation steering), "dropout"
-    applies an in-place dropout (the same mask for every module: a fixed seed)."""
+    applies ``dropout`` in place (one :class:`ReplayedDropout` for the modules compared: the
+    same mask for each; the module under test first)."""
     handle = module.register_forward_hook(lambda m, args, out: out.add_(steer)) if edit == "hook" else None
     try:
         x = x.clone().requires_grad_(True)
@@ -136,7 +165,6 @@ def forward_backward_with_output_edit(module: torch.nn.Module, x: torch.Tensor, 
         if handle is not None:
             handle.remove()
     if edit == "dropout":
-        torch.manual_seed(0)
-        torch.nn.functional.dropout(y, p=0.5, training=True, inplace=True)
+        dropout(y)
     (y * 1).backward(dy)
     return y.detach(), x.grad

@@ -429,7 +429,7 @@ def test_kernel_is_out_of_bounds_safe():
     guard_before, guard_after = storage[0].clone(), storage[-1].clone()
     target = torch.tensor([3, 10, -5, 1 << 40], device=DEVICE)
     loss, _, _, grad = cross_entropy_forward(
-        logits, target, None, -100, 0.0, 0.0, 0.0, "none", True, True, False
+        logits, target, None, -100, 0.0, 0.0, 0.0, "none", True, True
     )
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1:]).all()
     assert torch.equal(storage[0], guard_before) and torch.equal(storage[-1], guard_after)
@@ -533,6 +533,29 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(compiled.loss, eager.loss)
     torch.testing.assert_close(compiled.z_loss, eager.z_loss)
     torch.testing.assert_close(compiled_x.grad, eager_x.grad)
+
+
+def test_compiled_forward_declares_no_mutation():
+    """The traced forward never overwrites the logits, so it calls the op that declares no
+    mutation. A mutating op inside an autograd Function's forward is functionalised into a
+    copy of the logits, and torch 2.11's Dynamo then routed the loss's gradient to another
+    output of the Function (zero gradients under torch.compile on that release)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    forward_graphs = []
+
+    def record(gm, example_inputs):
+        forward_graphs.append(gm.code)
+        return gm
+
+    logits, target = make_inputs(5, 33, torch.float32)
+    x = logits.clone().requires_grad_()
+    compiled = torch.compile(lambda x, t: liger_cross_entropy(x * 2.0, t, lse_square_scale=1e-3),
+                             backend=aot_autograd(fw_compiler=record, bw_compiler=lambda gm, _: gm), fullgraph=True)
+    compiled(x, target).backward()
+    (code,) = forward_graphs
+    assert "liger.cross_entropy_forward.default" in code and "auto_functionalized" not in code, code
+    assert x.grad.abs().sum() > 0
 
 
 @settings(max_examples=15, deadline=None)

@@ -47,6 +47,24 @@ def test_log_probs_and_entropy_match_reference(shape, dtype, temperature, with_m
     assert_close(logits.grad, ref_logits.grad, dtype, scale=2, msg="logits grad")
 
 
+def test_entropy_error_does_not_grow_with_the_logits_size():
+    """H = log S0 - S1 / S0 with S1 = sum exp(s - m) (s - m): every term is of H's size.
+
+    Logits offset by +20 (softmax is unchanged) give s = x / T ~ 30..45. Error model (u =
+    2**-24, independent roundings): the roundings of s_c (<= 2u |s_c| ~ 5e-6 each) enter H
+    through the weights p_c (log p_c + H), so their sum over the few dominant classes stays
+    ~1e-6; the running sums over 128 blocks of 32 add ~sqrt(128) u |S1 / S0| ~ 2e-6 (|S1 / S0|
+    is ~H ~ 3 here). Hence 8e-6. Summing p s itself (|p s| ~ 45, the former form) costs
+    sqrt(128) u 45 ~ 3e-5 and fails this bound, as it failed the gradient's at V = 32000 on
+    the GPU (the gradient carries H's error times p |g_H| / T)."""
+    logits = 3.0 * torch.randn(1, 16, 4096, device=DEVICE) + 20.0
+    with override_launch_config(SelectiveLogSoftmaxConfig, block_size=32):
+        entropy = token_entropy(logits, 0.7)
+    _, ref_entropy = selective_log_softmax_reference(logits.double(), torch.zeros(1, 16, dtype=torch.long,
+                                                                                  device=DEVICE), 0.7)
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=8e-6, rtol=0)
+
+
 def test_entropy_alone_and_log_probs_alone():
     logits = torch.randn(3, 6, 41, device=DEVICE, requires_grad=True)
     ids = torch.randint(0, 41, (3, 6), device=DEVICE)

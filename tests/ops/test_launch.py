@@ -252,3 +252,43 @@ def test_next_power_of_2_matches_triton():
 
     for n in [*range(0, 300), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
         assert next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
+
+
+_FAKE_CPU_TENSORS_WITHOUT_INTERPRETER = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from liger_kernel.ops.launch import is_interpreter
+from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+assert not is_interpreter() and not torch.cuda.is_available()
+with FakeTensorMode():
+    x = torch.empty(4, 7, 33, dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.empty(33, requires_grad=True), torch.empty(33, requires_grad=True)
+    for y in (LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", True),
+              LigerLayerNormFunction.apply(x, w, b, 1e-6, True)):
+        y.sum().backward()
+        assert isinstance(y, FakeTensor) and y.device.type == "cpu" and y.shape == x.shape
+try:
+    LigerRMSNormFunction.apply(torch.randn(2, 33), torch.randn(33), 1e-6, 0.0, "llama", True)
+except ValueError as error:
+    assert "X is on cpu" in str(error), error
+else:
+    raise AssertionError("a real CPU tensor was accepted without the interpreter")
+"""
+
+
+def test_fake_tensors_of_any_device_trace_where_kernels_need_cuda():
+    """Where the kernels are compiled for CUDA (no interpreter), fake tensors a caller made on
+    CPU (``FakeTensorMode``, ``torch.export``) still trace: they only describe shapes and
+    never reach a kernel. Real CPU tensors are still refused. Run in a subprocess without
+    ``TRITON_INTERPRET`` and without CUDA, as on a GPU machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _FAKE_CPU_TENSORS_WITHOUT_INTERPRETER], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

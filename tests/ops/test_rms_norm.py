@@ -16,14 +16,13 @@ hand, because the interpreter's own conversion truncates; see ops/numerics.round
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
 from liger_kernel.ops.row_norm import RowNormConfig, row_norm_launch
-from tests.utils import DEVICE, assert_close, rel_error, shapes, tolerance
+from tests.utils import DEVICE, ReplayedDropout, assert_close, rel_error, shapes, tolerance
 
 # A row wider than the widest register tile, so the column-block loop runs on the CPU too.
 WIDE = RowNormConfig().max_fused_block + 8
@@ -379,9 +378,9 @@ def test_forward_warps_change_only_the_summation_order(n_rows, hidden, elements_
 # The output is an ordinary tensor (not a view of a private buffer): whatever a user does
 # with HF's output in place works, forward and backward, with either backward.
 IN_PLACE_EDITS = {
-    "mul_": lambda y: y.mul_(2.0),
-    "dropout": lambda y: F.dropout(y, p=0.5, training=True, inplace=True),
-    "add_": lambda y: y.add_(1.0),
+    "mul_": lambda: lambda y: y.mul_(2.0),
+    "dropout": ReplayedDropout,  # F.dropout(inplace=True) on ours, its mask replayed on the reference
+    "add_": lambda: lambda y: y.add_(1.0),
 }
 
 
@@ -405,12 +404,12 @@ def test_output_edited_in_place(shape, in_place, edit):
     w = torch.randn(shape[-1], device=DEVICE)
     dy = torch.randn(shape, device=DEVICE)
     results = []
+    edit_in_place = IN_PLACE_EDITS[edit]()
     for fn, cast in ((liger, lambda t: t.clone()), (exact_rms_norm, lambda t: t.double())):
         xi, wi = cast(x).requires_grad_(True), cast(w).requires_grad_(True)
         y = fn(xi, wi, EPS, 0.0, "llama", in_place) if fn is liger else fn(xi, wi, EPS, 0.0)
         assert y._base is None
-        torch.manual_seed(0)  # the same dropout mask for both
-        IN_PLACE_EDITS[edit](y)
+        edit_in_place(y)
         (y * 1).backward(cast(dy))
         results.append((y.detach(), xi.grad, wi.grad))
     for name, ours, truth in zip(("y", "dx", "dw"), *results):

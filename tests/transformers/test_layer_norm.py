@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from liger_kernel.transformers.layer_norm import LigerLayerNorm, liger_layer_norm
-from tests.utils import DEVICE, assert_close, forward_backward_with_output_edit, grad_ownership_report
+from tests.utils import (
+    DEVICE,
+    ReplayedDropout,
+    assert_close,
+    forward_backward_with_output_edit,
+    grad_ownership_report,
+)
 
 HIDDEN = 123
 
@@ -137,7 +143,8 @@ def test_output_edited_in_place_like_torch(edit, in_place):
     steer = torch.randn(HIDDEN, device=DEVICE)
     x = torch.randn(2, 7, HIDDEN, device=DEVICE)
     dy = torch.randn(2, 7, HIDDEN, device=DEVICE)
-    results = [(*forward_backward_with_output_edit(m, x, dy, edit, steer), m.weight.grad, m.bias.grad)
+    dropout = ReplayedDropout()
+    results = [(*forward_backward_with_output_edit(m, x, dy, edit, steer, dropout), m.weight.grad, m.bias.grad)
                for m in (ours, ref)]
     for name, a, e in zip(("y", "dx", "dw", "db"), *results):
         assert_close(a, e, scale=4, msg=name)

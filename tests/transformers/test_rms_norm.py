@@ -13,7 +13,13 @@ import torch
 
 from liger_kernel.transformers.rms_norm import LigerRMSNorm, liger_rms_norm
 from tests.transformers.model_configs import MODEL_TYPES, VOCAB, build_model, random_batch
-from tests.utils import DEVICE, assert_close, forward_backward_with_output_edit, grad_ownership_report
+from tests.utils import (
+    DEVICE,
+    ReplayedDropout,
+    assert_close,
+    forward_backward_with_output_edit,
+    grad_ownership_report,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
@@ -168,12 +174,13 @@ def test_output_edited_in_place_like_hf(edit, in_place):
     x = torch.randn(2, 7, HIDDEN, device=DEVICE)
     dy = torch.randn(2, 7, HIDDEN, device=DEVICE)
     results = []
+    dropout = ReplayedDropout()
     for module in (liger_like("llama", HIDDEN, torch.float32), hf_like("llama", HIDDEN, torch.float32)):
         if isinstance(module, LigerRMSNorm):
             module.in_place = in_place
         with torch.no_grad():
             module.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
-        results.append((*forward_backward_with_output_edit(module, x, dy, edit, steer), module.weight.grad))
+        results.append((*forward_backward_with_output_edit(module, x, dy, edit, steer, dropout), module.weight.grad))
     for name, ours, ref in zip(("y", "dx", "dw"), *results):
         assert_close(ours, ref, scale=4, msg=name)
 

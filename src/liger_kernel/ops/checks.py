@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from liger_kernel.ops.launch import is_interpreter
+from liger_kernel.ops.launch import has_no_data, is_interpreter
 
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -29,22 +29,27 @@ def check_same_device(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> tor
     """All given tensors on one device, and that device usable by Triton.
 
     Triton kernels need CUDA tensors, except under the interpreter, which runs on CPU
-    tensors; meta tensors are accepted everywhere (the ops give meta outputs without
-    launching anything). Returns the common device.
+    tensors. Tensors without data are accepted on any device when all of them are so:
+    meta tensors, and fake tensors (a ``FakeTensorMode``, ``torch.export``), which only
+    describe shapes; the ops give outputs of the same kind without launching anything,
+    so a model can be traced on CPU fake tensors on a machine whose kernels run on CUDA.
+    Returns the common device.
     """
     device = None
     first = None
+    given = []
     for name, t in tensors:
         if t is None:
             continue
         check_tensor(t, name)
+        given.append(t)
         if device is None:
             device, first = t.device, name
         elif t.device != device:
             raise ValueError(f"{name} is on {t.device} but {first} is on {device}; all tensors must be on one device")
     if device is None:
         raise ValueError("no tensor given")
-    if device.type not in ("cuda", "meta") and not is_interpreter():
+    if device.type != "cuda" and not is_interpreter() and not all(map(has_no_data, given)):
         raise ValueError(
             f"{first} is on {device}: liger_kernel kernels run on CUDA tensors "
             "(or on CPU tensors with TRITON_INTERPRET=1 set before triton is imported)"

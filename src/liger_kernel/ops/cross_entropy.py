@@ -79,7 +79,7 @@ from liger_kernel.ops.loss_options import (
 from liger_kernel.ops.scaling import scale_gradient
 
 __all__ = ["CrossEntropyConfig", "CrossEntropyOutput", "LigerCrossEntropyFunction", "cross_entropy_forward",
-           "launch_cross_entropy_kernel"]
+           "cross_entropy_forward_in_place", "launch_cross_entropy_kernel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,29 +477,9 @@ def _rows_disjoint(logits: torch.Tensor) -> bool:
     return logits.stride(1) == 1 and (n_rows <= 1 or logits.stride(0) >= n_cols)
 
 
-@liger_custom_op("cross_entropy_forward", mutates_args=("logits",))
-def cross_entropy_forward(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    reduction: str,
-    compute_grad: bool,
-    compute_accuracy: bool,
-    in_place: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher: float32 loss, z-loss, token accuracy (reduced per ``reduction``) and dL/dlogits.
-
-    ``logits`` (N, V) with unit column stride, ``target`` (N,) integer. When
-    ``compute_grad`` and ``in_place`` (and the rows of ``logits`` are disjoint), the
-    gradient overwrites ``logits`` and the returned gradient is an empty placeholder;
-    otherwise it is a fresh (N, V) tensor of the logits dtype (empty without
-    ``compute_grad``). ``softcap <= 0`` disables the cap. Arguments are trusted (checked
-    by the autograd Function, which also decides whether ``in_place`` is safe).
-    """
+def _forward(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+             compute_grad, compute_accuracy, in_place):
+    """Both forward launchers: ``in_place`` lets the gradient overwrite ``logits``."""
     n_rows, n_cols = logits.shape
     device = logits.device
     loss_rows = torch.empty(n_rows, device=device, dtype=torch.float32)
@@ -523,9 +503,8 @@ def cross_entropy_forward(
     return (*reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction), grad)
 
 
-@cross_entropy_forward.register_fake
-def _cross_entropy_forward_fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale,
-                                softcap, reduction, compute_grad, compute_accuracy, in_place):
+def _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+                  compute_grad, compute_accuracy, in_place):
     n_rows, n_cols = logits.shape
     reduced_shape = (n_rows,) if reduction == "none" else ()
     reduced = [logits.new_empty(reduced_shape, dtype=torch.float32) for _ in range(3)]
@@ -534,6 +513,55 @@ def _cross_entropy_forward_fake(logits, target, class_weight, ignore_index, labe
     else:
         grad = logits.new_empty((0,))
     return (*reduced, grad)
+
+
+# Two ops, so that each declares exactly what it writes. Under torch.compile (and for fake
+# or meta tensors) only the first is used: the traced forward never overwrites the logits,
+# and an op declaring a mutation inside an autograd Function's forward costs a clone of the
+# logits under functionalization (and torch 2.11's Dynamo routed the loss's gradient to the
+# wrong output of such a forward: zero gradients).
+
+
+def _forward_launcher(in_place: bool):
+    """The launcher registered as one of the two ops (its annotations are the op's schema)."""
+
+    def launcher(
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        class_weight: torch.Tensor | None,
+        ignore_index: int,
+        label_smoothing: float,
+        lse_square_scale: float,
+        softcap: float,
+        reduction: str,
+        compute_grad: bool,
+        compute_accuracy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _forward(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                        reduction, compute_grad, compute_accuracy, in_place)
+
+    def fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+             compute_grad, compute_accuracy):
+        return _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                             reduction, compute_grad, compute_accuracy, in_place)
+
+    return launcher, fake
+
+
+# Launcher: float32 loss, z-loss, token accuracy (reduced per ``reduction``) and dL/dlogits of
+# ``logits`` (N, V) with unit column stride and ``target`` (N,) integer; ``softcap <= 0``
+# disables the cap; arguments are trusted (checked by the autograd Function). The gradient
+# is a fresh (N, V) tensor of the logits' dtype (empty without ``compute_grad``), and the
+# logits are left untouched.
+_launcher, _cross_entropy_forward_fake = _forward_launcher(False)
+cross_entropy_forward = liger_custom_op("cross_entropy_forward")(_launcher)
+cross_entropy_forward.register_fake(_cross_entropy_forward_fake)
+# The same, but with ``compute_grad`` (and rows of ``logits`` that are disjoint) the gradient
+# overwrites ``logits`` and the returned gradient is an empty placeholder: only for logits
+# nothing else can read (the autograd Function decides).
+_launcher, _fake = _forward_launcher(True)
+cross_entropy_forward_in_place = liger_custom_op("cross_entropy_forward_in_place", mutates_args=("logits",))(_launcher)
+cross_entropy_forward_in_place.register_fake(_fake)
 
 
 def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, overwrite: bool,
@@ -557,10 +585,14 @@ def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, ov
         logits = logits.contiguous()
 
     compute_grad = bool(ctx.needs_input_grad[0])
-    forward = _cross_entropy_forward_fake if meta else cross_entropy_forward
+    # (meta logits are never overwritten: logits_unshared says no)
+    if meta:
+        forward = _cross_entropy_forward_fake
+    else:
+        forward = cross_entropy_forward_in_place if overwrite else cross_entropy_forward
     loss, z_loss, accuracy, grad = forward(
         logits, target, weight, *options.kernel_options, options.reduction, compute_grad,
-        options.return_token_accuracy, overwrite,
+        options.return_token_accuracy,
     )
     if compute_grad and grad.shape != logits.shape:
         grad = logits  # the kernel wrote the gradient over the logits

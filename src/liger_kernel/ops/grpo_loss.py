@@ -14,7 +14,8 @@ Gradients, for upstream gradients ``g`` of logp and ``h`` of H (``d_c = 1`` wher
 
 Rows whose ``mask`` is 0 give logp = H = 0 and a zero gradient. The forward kernel makes one
 pass per row (online log-sum-exp: a running max ``m``, ``S0 = sum exp(s - m)`` and, for the
-entropy, ``S1 = sum exp(s - m) s``, both rescaled when ``m`` grows; ``sum p s = S1 / S0``) and
+entropy, ``S1 = sum exp(s - m) (s - m)``, both rescaled when ``m`` grows; ``lse = m + log S0``
+and ``H = log S0 - S1 / S0``, whose terms are of the size of ``H``, not of ``s``) and
 keeps ``lse`` and ``H`` per row (O(N)); the backward kernel reads the logits once more and
 writes the gradient into a fresh buffer (the logits stay intact for any other reader).
 
@@ -76,19 +77,24 @@ def _selective_log_softmax_kernel(logits_ptr, stride_b, stride_l, ids_ptr, ids_s
         logits_row = logits_ptr + b * stride_b + pos * stride_l
         offsets = tl.arange(0, BLOCK_SIZE)
         running_max = float("-inf")
+        shift = 0.0
         sum_exp = 0.0
-        sum_exp_s = 0.0
+        sum_exp_ds = 0.0
         for start in range(0, n_cols, BLOCK_SIZE):
             cols = start + offsets
             s = tl.load(logits_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_temperature
             new_max = tl.maximum(running_max, tl.max(s, axis=0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp(running_max - shift)
-            e = tl.exp(s - shift)
-            sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+            new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(running_max - new_shift)
+            e = tl.exp(s - new_shift)
             if COMPUTE_ENTROPY:
-                sum_exp_s = sum_exp_s * rescale + tl.sum(e * tl.where(e > 0.0, s, 0.0), axis=0)
+                # S1 = sum exp(s - shift) (s - shift), kept relative to the current shift:
+                # moving the shift from a to b turns it into exp(a - b) (S1 + (a - b) S0).
+                sum_exp_ds = ((sum_exp_ds + (shift - new_shift) * sum_exp) * rescale
+                              + tl.sum(e * tl.where(e > 0.0, s - new_shift, 0.0), axis=0))
+            sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
             running_max = new_max
+            shift = new_shift
         lse = running_max + tl.log(sum_exp)
         logp = 0.0
         if HAS_IDS:
@@ -98,7 +104,10 @@ def _selective_log_softmax_kernel(logits_ptr, stride_b, stride_l, ids_ptr, ids_s
             logp = tl.load(logits_row + token).to(tl.float32) * inv_temperature - lse
         entropy = 0.0
         if COMPUTE_ENTROPY:
-            entropy = lse - sum_exp_s / sum_exp
+            # H = lse - sum p s = log S0 - S1 / S0 with S1 relative to the max: every term is
+            # of the size of H, not of the logits (an absolute sum p s of ~20 would cost H
+            # ~20 ulps of rounding, which its gradient p (log p + H) / T passes on).
+            entropy = tl.log(sum_exp) - sum_exp_ds / sum_exp
         tl.store(logp_ptr + row, logp)
         tl.store(entropy_ptr + row, entropy)
         tl.store(lse_ptr + row, lse)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 
 from liger_kernel.ops.config import LaunchConfig, launch_config
 
@@ -238,14 +238,19 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs):
 # --------------------------------------------------------------------------------------
 
 
+def has_no_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` only describes a tensor: on the meta device, or a fake tensor (of a
+    caller's ``FakeTensorMode``, ``torch.export``, or ``torch.compile`` tracing) whatever
+    device it claims. No kernel ever runs on such a tensor, so its device need not suit Triton.
+    While torch.compile traces, its fake tensors stand for the real ones the graph will run
+    on: they count as having data (and Dynamo could not trace ``is_fake``)."""
+    return t.is_meta or (not torch.compiler.is_compiling() and is_fake(t))
+
+
 def _any_meta(args: tuple) -> bool:
-    """Whether a positional tensor argument has no data: on the meta device, or a fake
-    tensor outside ``torch.compile`` (a ``FakeTensorMode`` of the caller's). Launchers take
-    tensors positionally."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and (arg.is_meta or isinstance(arg, FakeTensor)):
-            return True
-    return False
+    """Whether a positional tensor argument has no data (:func:`has_no_data`). Launchers
+    take tensors positionally."""
+    return any(isinstance(arg, torch.Tensor) and has_no_data(arg) for arg in args)
 
 
 def liger_custom_op(name: str, mutates_args: Sequence[str] = ()):
