@@ -503,6 +503,10 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
                  "attention chunks must divide"),
     "dbrx": ({"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
              "the default attention config has no rope_theta, and its clip_qkv None reaches torch.clamp"),
+    "apertus1p5": ({"vision_config.codebook_size": 16, "audio_config.codebook_size": 16,
+                    "image_token_offset": VOCAB - 64, "audio_token_offset": VOCAB - 48},
+                   "its visual and audio code ranges (offset + codebook size) must fit the vocabulary, one after "
+                   "the other, below the special token ids"),
     "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
                             "the default rope_parameters are empty"),
 }
