@@ -3,7 +3,9 @@
 fp32 inputs: the reference differentiates the loss through ``x @ W.T + b`` in float64; the
 engine's logits are one float32 GEMM and everything after is float32, so losses and gradients
 agree to float32 rounding, relative to each gradient's largest entry (the FLCE tests'
-tolerances, ``tests.ops.test_cross_entropy.assert_grad_close``).
+tolerances, ``tests.ops.test_cross_entropy.assert_grad_close``), plus a per-entry allowance for
+cancellation inside the logit gradient (:func:`fp32_cancellation`, and
+:func:`distillation_fp32_allowance` for the distillation losses).
 
 Low-precision inputs: the logits are a bf16 GEMM output (as an HF ``lm_head``), so the reference
 takes the logits the engine's own GEMM calls give on the engine's own chunks (one bf16 ulp of a
@@ -108,6 +110,63 @@ def fp32_cancellation(grad_q, x64, w64, vocab):
     xr = x64.reshape(-1, x64.shape[-1]).abs()
     return [(unit * c * float(w64.abs().max())).view(*x64.shape[:2], 1).expand_as(x64),
             (unit * (c @ xr)).expand_as(w64), (unit * c.sum()).expand(w64.shape[0])]
+
+
+def distillation_fp32_allowance(student_logits, teacher_logits, labels, soft_terms, weight_hard_loss,
+                                weight_soft_loss, temperature, x64, w64, ignore_index=-100):
+    """Per-entry float32 allowance ``[dX, dW, dB]`` for the distillation losses (float64 logits (N, V) / (N, V')).
+
+    The engine's logit gradient of row r is ``G_r = c_h g^hard_r + (c_s / tau) g^soft_r`` with
+    ``c = w / n_valid`` on counted rows (0 elsewhere), each ``g`` a float32 sum of terms whose
+    magnitudes are, per entry j:
+
+    * hard (cross-entropy, log-softmax backward ``onehot - p sum(onehot)``): ``y_j + 2 p_j``;
+    * soft, softmax-based (:func:`softmax_soft_terms`): ``3 p_j + q_j`` with ``p``, ``q`` the
+      student's and teacher's ``softmax(z / tau)`` (the loss's terms in log space are weighted by
+      ``p`` or ``q``, each row of which sums to 1, and the log-softmax backward adds ``p_j`` times
+      a row sum of at most 2);
+    * soft, cosine (:func:`cosine_soft_terms`): ``beta (|t_j| / (|s| |t|) + |s_j| / |s|^2)``.
+
+    float32 rounds each term to a few units ``u = 2**-24`` and the logs they are formed from to
+    ``u`` times ``1 + log V`` (entropy-like terms), however much the terms cancel (a V = 2 row's
+    entries are equal and opposite and the bias gradient sums such rows of both signs), so
+    ``|e_rj| <= 4 u (1 + log V) m_rj`` with ``m`` the weighted magnitudes above. Propagated through
+    the GEMMs: ``|e| |W|`` in dX, ``|e|^T |X|`` in dW, ``sum_r |e_r|`` in dB.
+    """
+    import math
+
+    n_rows, vocab = student_logits.shape
+    counted = labels.reshape(-1) != ignore_index
+    n_valid = counted.sum().clamp(min=1).double()
+    p = torch.softmax(student_logits, -1)
+    onehot = torch.nn.functional.one_hot(torch.where(counted, labels.reshape(-1), 0), vocab).double()
+    s = student_logits / temperature
+    pad = teacher_logits.shape[-1] - vocab
+    if pad:
+        s = torch.cat([s, s.new_zeros(n_rows, pad)], dim=-1)
+    hard = weight_hard_loss * (onehot + 2 * p)
+    soft = weight_soft_loss / temperature * soft_terms(s, teacher_logits / temperature)[:, :vocab]
+    unit = 4 * 2.0**-24 * (1 + math.log(teacher_logits.shape[-1]))
+    e = unit * (hard.abs() + soft.abs()) * (counted.double() / n_valid)[:, None]
+    xr = x64.reshape(-1, x64.shape[-1]).abs()
+    return [e @ w64.abs(), e.t() @ xr, e.sum(0)]
+
+
+def softmax_soft_terms(s, t):
+    """Per-entry term magnitudes ``3 p + q`` of a softmax-based soft loss's gradient in ``s`` (see
+    :func:`distillation_fp32_allowance`)."""
+    return 3 * torch.softmax(s, -1) + torch.softmax(t, -1)
+
+
+def cosine_soft_terms(beta):
+    """Per-entry term magnitudes of ``beta (1 - cos(s, t))``'s gradient in ``s``:
+    ``beta (|t| / (|s| |t|) + |s| / |s|^2)`` (see :func:`distillation_fp32_allowance`)."""
+
+    def terms(s, t):
+        s_norm, t_norm = s.norm(dim=-1, keepdim=True), t.norm(dim=-1, keepdim=True)
+        return beta * (t.abs() / (s_norm * t_norm) + s.abs() / s_norm**2)
+
+    return terms
 
 
 def assert_grads_match(leaves, ref_grads, bounds, n_chunks, upstream=1.0, names=("input", "weight", "bias")):
@@ -253,9 +312,10 @@ def distillation_reference(student_logits, teacher_logits, labels, soft_rows, we
 def run_distillation_case(loss_call, soft_rows, weight_hard_loss, weight_soft_loss, temperature, dtype, n_rows,
                           student_hidden, teacher_hidden, vocab, teacher_vocab=None, with_bias=True,
                           ignore_index=-100, all_ignored=False, leading=None, chunk_rows=None,
-                          returns_parts=False):
+                          returns_parts=False, soft_terms=softmax_soft_terms):
     """Run ``loss_call(xs, ws, xt, wt, labels, bs, bt)`` and check loss, parts and student gradients
-    against :func:`distillation_reference` (one engine group per row, as the distillation base runs)."""
+    against :func:`distillation_reference` (one engine group per row, as the distillation base runs);
+    fp32 gradients with :func:`distillation_fp32_allowance` (``soft_terms`` the soft loss's term magnitudes)."""
     from liger_kernel.ops.chunked_head import ChunkedHeadConfig
     from liger_kernel.ops.config import override_launch_config
     from tests.utils import DEVICE
@@ -291,6 +351,11 @@ def run_distillation_case(loss_call, soft_rows, weight_hard_loss, weight_soft_lo
         return value, parts, q.view(n_rows, 1, 2)
 
     loss_ref, parts_ref, grads_ref, bounds = reference_grads(loss_of_logits, x_groups, ws, bs, plan, teacher)
+    if dtype == torch.float32:
+        xs64, ws64 = xs.double(), ws.double()
+        student = xs64 @ ws64.t() + (bs.double() if bs is not None else 0)
+        bounds = distillation_fp32_allowance(student, teacher.view(n_rows, -1), labels, soft_terms, weight_hard_loss,
+                                             weight_soft_loss, temperature, xs64, ws64, ignore_index)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert_loss_match(loss, loss_ref)
     if returns_parts:

@@ -6,7 +6,7 @@ import torch
 
 from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss
 from liger_kernel.chunked_loss.functional import liger_fused_linear_cosine
-from tests.chunked_loss.reference import run_distillation_case
+from tests.chunked_loss.reference import cosine_soft_terms, run_distillation_case
 
 
 def cosine_reference(beta):
@@ -24,7 +24,8 @@ def test_matches_float64(dtype, beta, temperature, weights, case):
     loss_fn = LigerFusedLinearCosineSimilarityLoss(weight_hard_loss=weights[0], weight_soft_loss=weights[1], beta=beta,
                                                    temperature=temperature,
                                                    return_soft_hard_loss=case.get("returns_parts", False))
-    run_distillation_case(loss_fn, cosine_reference(beta), *weights, temperature, dtype, 11, 16, 24, 37, **case)
+    run_distillation_case(loss_fn, cosine_reference(beta), *weights, temperature, dtype, 11, 16, 24, 37,
+                          soft_terms=cosine_soft_terms(beta), **case)
 
 
 def test_functional_matches_module():
