@@ -50,7 +50,6 @@ gives NaN); class weights get no gradient. The loss has the logits' dtype, as to
 """
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -58,7 +57,7 @@ import triton.language as tl
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_float_dtype, check_same_device
-from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     launch_kernel,
     liger_custom_op,
@@ -83,7 +82,7 @@ __all__ = ["CrossEntropyConfig", "CrossEntropyOutput", "LigerCrossEntropyFunctio
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyConfig(LaunchConfig):
+class CrossEntropyConfig(FixedLaunchConfig):
     """Launch parameters of the cross-entropy row kernel (the same for every shape).
 
     * ``max_block``: column block of the row loop (a power of two). At V = 128256 bf16 on
@@ -104,11 +103,6 @@ class CrossEntropyConfig(LaunchConfig):
     programs_per_sm: float = 4
     prefetch: bool = True
     lane_width: int = 8
-
-    @classmethod
-    @functools.cache
-    def heuristic(cls) -> "CrossEntropyConfig":
-        return cls()
 
     @classmethod
     def search_space(cls):

@@ -45,7 +45,7 @@ import torch
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
-from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
 from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.loss_options import (
@@ -60,7 +60,7 @@ from liger_kernel.ops.scaling import scale_gradient
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedLinearCrossEntropyConfig(LaunchConfig):
+class FusedLinearCrossEntropyConfig(FixedLaunchConfig):
     """Chunk sizing of the fused linear cross entropy (see :func:`chunk_rows_for`).
 
     The (C, V) chunk buffer gets the larger of ``chunk_budget_bytes`` and
@@ -79,11 +79,6 @@ class FusedLinearCrossEntropyConfig(LaunchConfig):
     chunk_floor_fraction: float = 0.085
     chunk_row_multiple: int = 64
     max_chunk_rows: int | None = None
-
-    @classmethod
-    @functools.cache
-    def heuristic(cls) -> "FusedLinearCrossEntropyConfig":
-        return cls()
 
     @classmethod
     def search_space(cls):

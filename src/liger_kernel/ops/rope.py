@@ -96,10 +96,7 @@ class RopeConfig(LaunchConfig):
     MAX_BLOCK_HEADS: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_t", "block_hq", "block_hk", "num_warps"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
-                raise ValueError(f"RopeConfig.{name} must be a power of two, got {value!r}")
+        self.check_powers_of_two("block_t", "block_hq", "block_hk", "num_warps")
 
     @classmethod
     def heuristic(cls, seq_len: int, n_q_heads: int, n_k_heads: int, rot_half: int) -> "RopeConfig":
