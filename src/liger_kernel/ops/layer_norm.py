@@ -55,17 +55,12 @@ from typing import Optional, Tuple  # Optional, not "X | None", in custom-op sch
 import torch
 
 from liger_kernel.ops.autograd import once_differentiable
-from liger_kernel.ops.checks import (
-    as_rows,
-    check_float_dtype,
-    check_last_dim,
-    check_same_device,
-    check_tensor,
-)
+from liger_kernel.ops.checks import as_rows
 from liger_kernel.ops.grad_ownership import backward_writes_into_grad
 from liger_kernel.ops.launch import launch_kernel, liger_custom_op
 from liger_kernel.ops.row_norm import (
     ROW_NORM_CAST_FP32,
+    check_row_norm_args,
     row_norm_backward_kernel,
     row_norm_forward_kernel,
     row_norm_grad_buffers,
@@ -76,23 +71,7 @@ from liger_kernel.ops.row_norm import (
 
 def check_layer_norm_args(X: object, W: object, B: object, eps: object) -> None:
     """Raise ``TypeError``/``ValueError`` naming the offending argument."""
-    check_tensor(X, "X")
-    check_tensor(W, "W")
-    check_float_dtype(X, "X")
-    check_float_dtype(W, "W")
-    if W.dim() != 1:
-        raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
-    check_last_dim(X, W.shape[0], "X", "W.shape[0]")
-    if B is not None:
-        check_tensor(B, "B")
-        check_float_dtype(B, "B")
-        if B.shape != W.shape:
-            raise ValueError(f"B has shape {tuple(B.shape)}; it must match W's shape {tuple(W.shape)}")
-    check_same_device([("X", X), ("W", W), ("B", B)])
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    check_row_norm_args(X, W, B, eps)
 
 
 def _launch_args(launch, backward: bool) -> dict:

@@ -28,13 +28,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.checks import as_rows
+from liger_kernel.ops.checks import (
+    as_rows,
+    check_float_dtype,
+    check_last_dim,
+    check_same_device,
+    check_tensor,
+)
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
@@ -168,6 +175,29 @@ class RowNormLaunch:
     backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the config)
     partials_sum_block_rows: int
     partials_sum_block_cols: int
+
+
+def check_row_norm_args(X: object, W: object, B: object, eps: object) -> None:
+    """The checks RMSNorm and LayerNorm share: ``X`` (..., H) and ``W`` (H,) (and ``B`` (H,)
+    unless None) float tensors on one device, ``eps`` a finite float >= 0. Raises
+    ``TypeError``/``ValueError`` naming the offending argument."""
+    check_tensor(X, "X")
+    check_tensor(W, "W")
+    check_float_dtype(X, "X")
+    check_float_dtype(W, "W")
+    if W.dim() != 1:
+        raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
+    check_last_dim(X, W.shape[0], "X", "W.shape[0]")
+    if B is not None:
+        check_tensor(B, "B")
+        check_float_dtype(B, "B")
+        if B.shape != W.shape:
+            raise ValueError(f"B has shape {tuple(B.shape)}; it must match W's shape {tuple(W.shape)}")
+    check_same_device([("X", X), ("W", W), ("B", B)])
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool = False) -> RowNormLaunch:
