@@ -201,3 +201,20 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     def backward(ctx, *grad_output):
         grad_input, grad_weight, grad_bias = preference_head_backward(ctx, grad_output)
         return grad_input, grad_weight, None, grad_bias
+
+
+class FusedLinearPreferenceModule(torch.nn.Module):
+    """Module form of a preference Function ``function``: keeps its options (the Function's
+    arguments after ``bias``, in order) as attributes of the same names and is called as
+    ``(lin_weight, _input, target, bias)``."""
+
+    function: type[torch.autograd.Function]
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.option_names = tuple(options)
+        for name, value in options.items():
+            setattr(self, name, value)
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return self.function.apply(_input, lin_weight, target, bias, *(getattr(self, n) for n in self.option_names))
