@@ -78,8 +78,8 @@ from liger_kernel.ops.launch import (
     is_interpreter,
     launch_kernel,
     liger_custom_op,
-    next_power_of_2,
     row_launch_settings,
+    tile_rows_and_warps,
 )
 from liger_kernel.ops.numerics import round_to_dtype
 
@@ -210,8 +210,7 @@ def _gated_geometry(n_rows: int, n_cols: int, tile_elements: int, max_block_cols
                     interpreter: bool) -> GatedActivationConfig:
     # ``interpreter`` only keys the cache: row_launch_settings' warps depend on it.
     block_cols, _ = row_launch_settings(n_cols, max_block=max_block_cols)
-    block_rows = min(max(1, tile_elements // block_cols), next_power_of_2(n_rows))
-    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    block_rows, num_warps = tile_rows_and_warps(n_rows, block_cols, tile_elements)
     return GatedActivationConfig(block_rows, block_cols, num_warps)
 
 
