@@ -74,11 +74,9 @@ from liger_kernel.ops.row_norm import (
     ROW_NORM_CAST_LLAMA,
     ROW_NORM_CAST_NONE,
     check_row_norm_args,
-    row_norm_backward_kernel,
+    row_norm_backward,
     row_norm_forward_kernel,
-    row_norm_grad_buffers,
     row_norm_launch,
-    sum_partials,
 )
 
 CASTING_MODES = {
@@ -136,10 +134,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
             rows, weight.contiguous(), rows, y_rows, rstd, rstd,  # no bias, no mean: unused pointers
             n_rows, n_cols, rows.stride(0), y_rows.stride(0),
             eps, offset,
-            CENTER=False, HAS_BIAS=False, CASTING=casting,
-            FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
-            ROUND_BY_HAND=launch.round_by_hand,
-            num_warps=launch.num_warps,
+            CENTER=False, HAS_BIAS=False, CASTING=casting, **launch.kernel_args(backward=False),
         )
     return y, rstd
 
@@ -160,24 +155,8 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
     (a custom op may not return an alias of its input); the caller uses grad_output.
     """
     casting = _casting_code(casting_mode)
-    x_rows = as_rows(x)
-    n_rows, n_cols = x_rows.shape
-    dy_rows, dx_rows, grad_x = row_norm_grad_buffers(grad_output, x, in_place)
-    if n_rows == 0 or n_cols == 0:
-        return grad_x, torch.zeros_like(weight)
-    launch = row_norm_launch(n_rows, n_cols, x.device)
-    partials = torch.empty((1, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
-    dw_partial = partials[0]
-    launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
-        dy_rows, x_rows, weight.contiguous(), rstd, rstd, dx_rows, dw_partial, dw_partial,
-        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
-        CENTER=False, HAS_BIAS=False, CASTING=casting,
-        FUSED=launch.fused, BLOCK_ROWS=launch.backward_block_rows, BLOCK_COLS=launch.block_cols,
-        ROUND_BY_HAND=launch.round_by_hand, PREFETCH=launch.backward_prefetch,
-        ROW_ACCUMULATOR=launch.backward_row_accumulator,
-        num_warps=launch.backward_num_warps,
-    )
-    (grad_weight,) = sum_partials(partials, [weight.dtype], launch)
+    grad_x, grad_weight, _ = row_norm_backward(grad_output, x, weight, None, rstd, rstd, offset, False, casting,
+                                               in_place)
     return grad_x, grad_weight
 
 
