@@ -10,7 +10,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from liger_kernel.transformers.patching import discovery  # noqa: E402
-from tests.transformers.tiny_models import tiny_model  # noqa: E402
+from tests.transformers.census.tiny_configs import tiny_model  # noqa: E402
 from tests.utils import DEVICE  # noqa: E402
 
 UPSTREAM_NAMES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gemma3_text", "qwen2", "qwen2_vl",

@@ -124,13 +124,13 @@ def test_peft_lora_model(tmp_path):
 def test_use_liger_kernel_patches_a_discovered_model_type(model_type, tmp_path):
     """A model type the families table does not name is patched by discovery through the
     Trainer flag and trains like the unpatched model."""
-    from tests.transformers.tiny_models import VOCAB as TINY_VOCAB
-    from tests.transformers.tiny_models import tiny_model
+    from tests.transformers.census.tiny_configs import text_vocab_size, tiny_model
 
     reference, _ = tiny_model(model_type)
     model = copy.deepcopy(reference)
-    _, ref_losses = _train(reference, tmp_path / "ref", vocab=TINY_VOCAB)
-    _, losses = _train(model, tmp_path / "liger", vocab=TINY_VOCAB, use_liger_kernel=True)
+    vocab = text_vocab_size(reference.config)
+    _, ref_losses = _train(reference, tmp_path / "ref", vocab=vocab)
+    _, losses = _train(model, tmp_path / "liger", vocab=vocab, use_liger_kernel=True)
     assert _instance_patched(model) and _instance_patched(model.model.norm)
     assert len(losses) == STEPS
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)

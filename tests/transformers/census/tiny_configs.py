@@ -48,19 +48,29 @@ recursing into every nested config dict (``text_config``, ``vision_config``, ``a
   sections); ``rotary_dim`` keeps its fraction of the head; the partial rotary factor stays.
 * **Randomness off, no cache.** Every dropout, layer-drop and router jitter is 0, so a
   training-mode forward is deterministic; ``use_cache`` is off (a training step).
-* **Soft-caps.** A final-logit soft-cap (not the attention one) becomes :data:`SOFTCAP`: tiny
-  random models have logits far below a real cap of 30, where ``tanh`` is the identity and a
-  patch dropping the cap would pass (the census also scales the LM head).
+* **Soft-caps and logit scales.** A final-logit soft-cap (not the attention one) becomes
+  :data:`SOFTCAP`: tiny random models have logits far below a real cap of 30, where ``tanh`` is
+  the identity and a patch dropping the cap would pass (the census also scales the LM head).
+  A logit scale of 1 (Granite's ``logits_scaling``) becomes :data:`LOGITS_SCALING`, for the
+  same reason: a patch dropping the scale would pass.
 
 :data:`OVERRIDES` holds the few per-type fixes where a generic rule cannot work, each with its
 reason. Nothing here touches the network: configs come from classes, weights are random.
+
+:func:`build_model` builds a model of a config on the test device (``tests.utils.DEVICE``) and
+:func:`tiny_model` a tiny model of a model type with a batch, for tests beyond the census.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import warnings
 from typing import Any
+
+import torch
+
+from tests.utils import DEVICE
 
 HIDDEN = 64
 HEADS = 4
@@ -74,6 +84,7 @@ WINDOW = 8
 EXPERTS = 4
 TOP_K = 2
 SOFTCAP = 2.0
+LOGITS_SCALING = 4.0
 MIN_LAYERS = 2
 SEQUENCE = 16  # the census's sequence length: longer than WINDOW; Reformer's override depends on it
 
@@ -330,6 +341,8 @@ def _shrink(d: dict[str, Any], token_ids: _TokenIds, widths: frozenset[int] = fr
             d["head_dim"] = d["qk_rope_head_dim"] + (d["qk_nope_head_dim"] if whole else 0)
         if "qk_head_dim" in d:
             d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    if d.get("logits_scaling") == 1.0:
+        d["logits_scaling"] = LOGITS_SCALING
     if d.get("output_router_logits") is False:
         d["output_router_logits"] = True
     if d.get("use_cache") is True:
@@ -490,6 +503,10 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
                  "attention chunks must divide"),
     "dbrx": ({"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
              "the default attention config has no rope_theta, and its clip_qkv None reaches torch.clamp"),
+    "apertus1p5": ({"vision_config.codebook_size": 16, "audio_config.codebook_size": 16,
+                    "image_token_offset": VOCAB - 64, "audio_token_offset": VOCAB - 48},
+                   "its visual and audio code ranges (offset + codebook size) must fit the vocabulary, one after "
+                   "the other, below the special token ids"),
     "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
                             "the default rope_parameters are empty"),
 }
@@ -555,3 +572,77 @@ def text_vocab_size(config: Any) -> int:
             return inner.vocab_size
     vocab = getattr(config, "vocab_size", None)
     return vocab if _is_int(vocab) else VOCAB
+
+
+# ------------------------------------------------------------------------------------- models
+CAUSAL_LM = "causal-lm"
+IMAGE_TEXT = "image-text-to-text"
+TASKS = (CAUSAL_LM, IMAGE_TEXT)
+
+
+def architectures(task: str) -> dict[str, str]:
+    """``model_type -> class name`` of every model type the installed transformers lists for ``task``."""
+    from transformers.models.auto import modeling_auto
+
+    if task == CAUSAL_LM:
+        return dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if task == IMAGE_TEXT:
+        return dict(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+
+
+def as_decoder(config: Any, task: str) -> Any:
+    if task == CAUSAL_LM and "is_decoder" in config.to_dict():
+        config.is_decoder = True  # encoder families run as decoders under a causal-LM head
+    return config
+
+
+def config_for(model_cls: type, config: Any) -> Any:
+    """``config`` itself, or the nested config of the class ``model_cls`` is built from
+    (``Llama4ForCausalLM`` takes ``Llama4Config.text_config``)."""
+    wanted = getattr(model_cls, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    for value in vars(config).values():
+        if isinstance(value, wanted):
+            return value
+    return config
+
+
+def build_model(model_cls: type, config: Any, seed: int) -> torch.nn.Module:
+    """A ``model_cls`` of ``config`` with seeded random weights: fp32, eager attention, on
+    ``DEVICE``, in training mode."""
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+        except (ValueError, TypeError) as error:
+            if "attn_implementation" not in str(error) and "eager" not in str(error):
+                raise
+            model = model_cls._from_config(config, dtype=torch.float32)
+    return model.to(DEVICE).train()
+
+
+def token_batch(config: Any, batch: int, sequence: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(input_ids, labels)`` of shape ``(batch, sequence)`` on ``DEVICE``, drawn from the
+    ids that are no special token; the first row has its first 5 targets ignored, the other none."""
+    vocab = text_vocab_size(config)
+    reserved = reserved_token_ids(config)
+    allowed = torch.tensor([t for t in range(3, vocab) if t not in reserved])
+    ids = allowed[torch.randint(len(allowed), (batch, sequence), generator=generator)]
+    labels = ids.clone()
+    labels[0, :5] = -100
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def tiny_model(model_type: str, task: str = CAUSAL_LM, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """(a tiny random model of ``model_type`` for ``task``, a batch of ``input_ids``,
+    ``attention_mask`` and ``labels`` for it), both on ``DEVICE``; see :func:`build_model`."""
+    import transformers
+
+    model_cls = getattr(transformers, architectures(task)[model_type])
+    config = as_decoder(config_for(model_cls, tiny_config(model_type)), task)
+    model = build_model(model_cls, config, seed)
+    ids, labels = token_batch(config, 2, SEQUENCE, torch.Generator().manual_seed(seed + 1))
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
