@@ -125,7 +125,9 @@ def is_norm_candidate(module: nn.Module) -> bool:
     if any(True for _ in module.children()):
         return False
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+    # A parameter: a "weight" buffer (a weightless norm's placeholder) need not match the width
+    # the norm is applied to, and the replacement would multiply by it.
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         return False
     if isinstance(module, nn.LayerNorm):
         return module.elementwise_affine and len(module.normalized_shape) == 1
