@@ -16,10 +16,12 @@ NLL term, as in the best-known implementation of this API.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
-from liger_kernel.chunked_loss.fused_linear_preference import LigerFusedLinearPreferenceBase
+from liger_kernel.chunked_loss.fused_linear_preference import (
+    FusedLinearPreferenceModule,
+    LigerFusedLinearPreferenceBase,
+)
 from liger_kernel.chunked_loss.simpo_loss import smoothed_logistic_loss
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
@@ -66,27 +68,15 @@ class LigerFusedLinearCPOFunction(LigerFusedLinearPreferenceBase):
         return *grads, *(None,) * 10
 
 
-class LigerFusedLinearCPOLoss(torch.nn.Module):
+class LigerFusedLinearCPOLoss(FusedLinearPreferenceModule):
     """CPO loss fused with the linear head; called as ``(lin_weight, _input, target, bias)``."""
+
+    function = LigerFusedLinearCPOFunction
 
     def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
                  compute_nll_loss: bool = True, compiled: bool = True, average_log_prob: bool = False,
                  chunk_size: int = 1, loss_type: str = "sigmoid", simpo_gamma: float = 0.5):
-        super().__init__()
         check_cpo_loss_type(loss_type)
-        self.ignore_index = ignore_index
-        self.beta = beta
-        self.alpha = alpha
-        self.label_smoothing = label_smoothing
-        self.compute_nll_loss = compute_nll_loss
-        self.compiled = compiled
-        self.average_log_prob = average_log_prob
-        self.chunk_size = chunk_size
-        self.loss_type = loss_type
-        self.simpo_gamma = simpo_gamma
-
-    def forward(self, lin_weight, _input, target, bias=None):
-        return LigerFusedLinearCPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
-                                                 self.alpha, self.label_smoothing, self.compute_nll_loss,
-                                                 self.compiled, self.average_log_prob, self.chunk_size,
-                                                 self.loss_type, self.simpo_gamma)
+        super().__init__(ignore_index=ignore_index, beta=beta, alpha=alpha, label_smoothing=label_smoothing,
+                         compute_nll_loss=compute_nll_loss, compiled=compiled, average_log_prob=average_log_prob,
+                         chunk_size=chunk_size, loss_type=loss_type, simpo_gamma=simpo_gamma)

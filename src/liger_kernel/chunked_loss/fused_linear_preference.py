@@ -68,6 +68,45 @@ def sequence_log_probs(token_logps: torch.Tensor, counted: torch.Tensor, average
     return total
 
 
+def reference_head(use_ref_model: bool, ref_input, ref_weight, ref_bias):
+    """``(ref_input, ref_weight, ref_bias)`` when a reference head is to be run, else None."""
+    if use_ref_model and ref_weight is not None and ref_input is not None:
+        return ref_input, ref_weight, ref_bias
+    return None
+
+
+def policy_and_reference_log_probs(q: torch.Tensor, q_ref: torch.Tensor | None, counted: torch.Tensor,
+                                   precomputed: tuple, average: bool):
+    """Per-sequence log-probs (G,) of a group's policy head, and of its reference: the reference
+    head's (``q_ref``), else the precomputed ones (``precomputed[0]``), else None."""
+    logps = sequence_log_probs(q[..., 0], counted, average)
+    if q_ref is not None:
+        return logps, sequence_log_probs(q_ref[..., 0], counted, average)
+    return logps, (precomputed[0] if precomputed else None)
+
+
+def preference_head_forward(ctx, bias_position: int, _input, weight, bias, ignore_index: int, group_fn,
+                            token_args: list, group_args: list, ref_head, paired: bool):
+    """Loss and metrics of ``group_fn`` over the chunked head ``TargetLogProbs(ignore_index)``,
+    keeping the gradients of ``_input``, ``weight`` and ``bias`` (forward input
+    ``bias_position``) that the Function's inputs need for :func:`preference_head_backward`."""
+    needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
+             bias is not None and bool(ctx.needs_input_grad[bias_position]))
+    ref_input, ref_weight, ref_bias = ref_head or (None, None, None)
+    loss, metrics, grads = chunked_head_loss_and_grads(
+        _input, weight, bias, TargetLogProbs(ignore_index), group_fn, token_args=token_args,
+        group_args=group_args, ref_x=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, paired=paired,
+        additive=True, needs=needs)
+    save_head_grads(ctx, grads)
+    return loss, metrics
+
+
+def preference_head_backward(ctx, grad_output: tuple) -> tuple:
+    """``(grad_input, grad_weight, grad_bias)`` of :func:`preference_head_forward`, scaled by the
+    loss's upstream gradient."""
+    return scaled_head_grads(ctx, upstream_loss_gradient(grad_output))
+
+
 class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     """Base of the paired preference losses; see the module docstring.
 
@@ -89,29 +128,10 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
         raise NotImplementedError("Preference loss function must be implemented.")
 
     @staticmethod
-    def forward(
-        cls,
-        ctx,
-        _input,
-        weight,
-        target,
-        bias=None,
-        chunk_size=1,
-        ignore_index=-100,
-        alpha=1.0,
-        beta=0.1,
-        compute_nll_loss=True,
-        nll_target=None,
-        compiled=True,
-        use_ref_model=False,
-        ref_input=None,
-        ref_weight=None,
-        ref_bias=None,
-        average_log_prob=True,
-        ref_chosen_logps=None,
-        ref_rejected_logps=None,
-        **loss_kwargs,
-    ):
+    def forward(cls, ctx, _input, weight, target, bias=None, chunk_size=1, ignore_index=-100, alpha=1.0, beta=0.1,
+                compute_nll_loss=True, nll_target=None, compiled=True, use_ref_model=False, ref_input=None,
+                ref_weight=None, ref_bias=None, average_log_prob=True, ref_chosen_logps=None,
+                ref_rejected_logps=None, **loss_kwargs):
         """Loss and metrics of the module docstring.
 
         ``_input`` (B, T, D), ``weight`` (V, D), ``target`` (B, T), ``bias`` (V,) or None,
@@ -126,14 +146,14 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
             raise ValueError(f"the batch must hold chosen then rejected sequences (an even count), got {n_seqs}")
         if nll_target is not None:
             check_targets(nll_target, _input, "nll_target")
-        with_ref_head = bool(use_ref_model) and ref_weight is not None and ref_input is not None
+        ref_head = reference_head(use_ref_model, ref_input, ref_weight, ref_bias)
         with_precomputed = ref_chosen_logps is not None or ref_rejected_logps is not None
         if with_precomputed and (ref_chosen_logps is None or ref_rejected_logps is None):
             raise ValueError("precomputed reference log-probs need both ref_chosen_logps and ref_rejected_logps")
-        if use_ref_model and not with_ref_head and not with_precomputed:
+        if use_ref_model and ref_head is None and not with_precomputed:
             raise ValueError("use_ref_model=True needs ref_input and ref_weight (or precomputed ref_chosen_logps "
                              "and ref_rejected_logps)")
-        use_precomputed = with_precomputed and not with_ref_head
+        use_precomputed = with_precomputed and ref_head is None
         n_pairs = n_seqs // 2
         vocab = weight.shape[0]
         seq_len = target.shape[1]
@@ -154,13 +174,10 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
 
         def group_fn(q, q_ref, counted, *precomputed):
             half = q.shape[0] // 2
-            logps = sequence_log_probs(q[..., 0], counted, average_log_prob)
+            logps, ref_logps = policy_and_reference_log_probs(q, q_ref, counted, precomputed, average_log_prob)
             kwargs = dict(loss_kwargs)
-            if q_ref is not None:
-                ref_logps = sequence_log_probs(q_ref[..., 0], counted, average_log_prob)
+            if ref_logps is not None:
                 kwargs.update(ref_chosen_logps=ref_logps[:half], ref_rejected_logps=ref_logps[half:])
-            elif precomputed:
-                kwargs.update(ref_chosen_logps=precomputed[0][:half], ref_rejected_logps=precomputed[0][half:])
             if wants_counts:
                 counts = counted.sum(-1).float()
                 kwargs.update(chosen_token_counts=counts[:half], rejected_token_counts=counts[half:])
@@ -176,18 +193,28 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
             return loss, metrics
 
         token_args = [target] if nll_target is None else [target, nll_target]
-        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
-                 bias is not None and bool(ctx.needs_input_grad[3]))
-        loss, metrics, grads = chunked_head_loss_and_grads(
-            _input, weight, bias, TargetLogProbs(ignore_index), group_fn,
-            token_args=token_args, group_args=group_args,
-            ref_x=ref_input if with_ref_head else None, ref_weight=ref_weight if with_ref_head else None,
-            ref_bias=ref_bias if with_ref_head else None, paired=True, additive=True, needs=needs)
-        save_head_grads(ctx, grads)
-        return loss, metrics
+        return preference_head_forward(ctx, 3, _input, weight, bias, ignore_index, group_fn, token_args,
+                                       group_args, ref_head, paired=True)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_output):
-        grad_input, grad_weight, grad_bias = scaled_head_grads(ctx, upstream_loss_gradient(grad_output))
+        grad_input, grad_weight, grad_bias = preference_head_backward(ctx, grad_output)
         return grad_input, grad_weight, None, grad_bias
+
+
+class FusedLinearPreferenceModule(torch.nn.Module):
+    """Module form of a preference Function ``function``: keeps its options (the Function's
+    arguments after ``bias``, in order) as attributes of the same names and is called as
+    ``(lin_weight, _input, target, bias)``."""
+
+    function: type[torch.autograd.Function]
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.option_names = tuple(options)
+        for name, value in options.items():
+            setattr(self, name, value)
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return self.function.apply(_input, lin_weight, target, bias, *(getattr(self, n) for n in self.option_names))

@@ -26,15 +26,14 @@ from abc import abstractmethod
 
 import torch
 
-from liger_kernel.chunked_loss.fused_linear_preference import check_targets, sequence_log_probs
-from liger_kernel.ops.autograd import once_differentiable
-from liger_kernel.ops.chunked_head import (
-    TargetLogProbs,
-    chunked_head_loss_and_grads,
-    save_head_grads,
-    scaled_head_grads,
-    upstream_loss_gradient,
+from liger_kernel.chunked_loss.fused_linear_preference import (
+    check_targets,
+    policy_and_reference_log_probs,
+    preference_head_backward,
+    preference_head_forward,
+    reference_head,
 )
+from liger_kernel.ops.autograd import once_differentiable
 
 
 class LigerFusedLinearUnpairedPreferenceBase(torch.autograd.Function):
@@ -48,47 +47,29 @@ class LigerFusedLinearUnpairedPreferenceBase(torch.autograd.Function):
         raise NotImplementedError("Preference loss function must be implemented.")
 
     @staticmethod
-    def forward(
-        cls,
-        ctx,
-        _input,
-        weight,
-        target,
-        preference_labels,
-        bias=None,
-        chunk_size=1,
-        ignore_index=-100,
-        compiled=True,
-        use_ref_model=False,
-        ref_input=None,
-        ref_weight=None,
-        ref_bias=None,
-        average_log_prob=False,
-        ref_logps=None,
-        **loss_kwargs,
-    ):
+    def forward(cls, ctx, _input, weight, target, preference_labels, bias=None, chunk_size=1, ignore_index=-100,
+                compiled=True, use_ref_model=False, ref_input=None, ref_weight=None, ref_bias=None,
+                average_log_prob=False, ref_logps=None, **loss_kwargs):
         check_targets(target, _input)
         n_seqs = target.shape[0]
         if not isinstance(preference_labels, torch.Tensor) or preference_labels.numel() != n_seqs:
             raise ValueError(f"preference_labels must be a tensor of {n_seqs} booleans (True = desirable)")
         labels = preference_labels.reshape(-1).to(device=_input.device, dtype=torch.bool)
-        with_ref_head = bool(use_ref_model) and ref_weight is not None and ref_input is not None
-        if use_ref_model and not with_ref_head and ref_logps is None:
+        ref_head = reference_head(use_ref_model, ref_input, ref_weight, ref_bias)
+        if use_ref_model and ref_head is None and ref_logps is None:
             raise ValueError("use_ref_model=True needs ref_input and ref_weight (or precomputed ref_logps)")
         group_args = [target != ignore_index, labels]
-        if ref_logps is not None and not with_ref_head:
+        if ref_logps is not None and ref_head is None:
             if not isinstance(ref_logps, torch.Tensor) or ref_logps.numel() != n_seqs:
                 raise ValueError(f"ref_logps must be a tensor of {n_seqs} per-sequence log-probs")
             group_args.append(ref_logps.reshape(-1).to(device=_input.device, dtype=torch.float32))
         loss_fn = cls.preference_loss_fn
 
         def group_fn(q, q_ref, counted, labels, *precomputed):
-            logps = sequence_log_probs(q[..., 0], counted, average_log_prob)
+            logps, ref_logps = policy_and_reference_log_probs(q, q_ref, counted, precomputed, average_log_prob)
             kwargs = dict(loss_kwargs)
-            if q_ref is not None:
-                kwargs["ref_log_prob_chunk"] = sequence_log_probs(q_ref[..., 0], counted, average_log_prob)
-            elif precomputed:
-                kwargs["ref_log_prob_chunk"] = precomputed[0]
+            if ref_logps is not None:
+                kwargs["ref_log_prob_chunk"] = ref_logps
             outputs = loss_fn(logps, labels, target, **kwargs)
             loss, *extra = outputs if isinstance(outputs, tuple) else (outputs,)
             row_sums = q[..., -1].sum(-1)
@@ -96,18 +77,11 @@ class LigerFusedLinearUnpairedPreferenceBase(torch.autograd.Function):
                        *extra)
             return loss, metrics
 
-        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
-                 bias is not None and bool(ctx.needs_input_grad[4]))
-        loss, metrics, grads = chunked_head_loss_and_grads(
-            _input, weight, bias, TargetLogProbs(ignore_index), group_fn, token_args=[target],
-            group_args=group_args, ref_x=ref_input if with_ref_head else None,
-            ref_weight=ref_weight if with_ref_head else None, ref_bias=ref_bias if with_ref_head else None,
-            paired=False, additive=True, needs=needs)
-        save_head_grads(ctx, grads)
-        return loss, metrics
+        return preference_head_forward(ctx, 4, _input, weight, bias, ignore_index, group_fn, [target], group_args,
+                                       ref_head, paired=False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_output):
-        grad_input, grad_weight, grad_bias = scaled_head_grads(ctx, upstream_loss_gradient(grad_output))
+        grad_input, grad_weight, grad_bias = preference_head_backward(ctx, grad_output)
         return grad_input, grad_weight, None, None, grad_bias

@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from liger_kernel.chunked_loss.fused_linear_preference import LigerFusedLinearPreferenceBase
+from liger_kernel.chunked_loss.fused_linear_preference import (
+    FusedLinearPreferenceModule,
+    LigerFusedLinearPreferenceBase,
+)
 
 
 def smoothed_logistic_loss(h: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -45,22 +48,12 @@ class LigerFusedLinearSimPOFunction(LigerFusedLinearPreferenceBase):
         return *grads, *(None,) * 8
 
 
-class LigerFusedLinearSimPOLoss(torch.nn.Module):
+class LigerFusedLinearSimPOLoss(FusedLinearPreferenceModule):
     """SimPO loss fused with the linear head; called as ``(lin_weight, _input, target, bias)``."""
+
+    function = LigerFusedLinearSimPOFunction
 
     def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
                  compute_nll_loss: bool = True, compiled: bool = True, gamma: float = 0.5, chunk_size: int = 1):
-        super().__init__()
-        self.ignore_index = ignore_index
-        self.beta = beta
-        self.alpha = alpha
-        self.label_smoothing = label_smoothing
-        self.compute_nll_loss = compute_nll_loss
-        self.compiled = compiled
-        self.gamma = gamma
-        self.chunk_size = chunk_size
-
-    def forward(self, lin_weight, _input, target, bias=None):
-        return LigerFusedLinearSimPOFunction.apply(_input, lin_weight, target, bias, self.ignore_index, self.beta,
-                                                   self.alpha, self.label_smoothing, self.compute_nll_loss,
-                                                   self.compiled, self.gamma, self.chunk_size)
+        super().__init__(ignore_index=ignore_index, beta=beta, alpha=alpha, label_smoothing=label_smoothing,
+                         compute_nll_loss=compute_nll_loss, compiled=compiled, gamma=gamma, chunk_size=chunk_size)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -48,6 +49,25 @@ class LaunchConfig:
     def search_space(cls: type[C], *args: Any, **kwargs: Any) -> Iterable[C]:
         """Candidates for ``python -m benchmarks.tune``; empty where nothing is tuned."""
         return ()
+
+    def check_powers_of_two(self, *names: str) -> None:
+        """Raise ``ValueError`` unless each named field is a positive power of two (block sizes,
+        warp counts: Triton's ``tl.arange`` and launch geometry need them)."""
+        for name in names:
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
+                raise ValueError(f"{type(self).__name__}.{name} must be a power of two, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedLaunchConfig(LaunchConfig):
+    """A configuration that does not depend on the problem: the heuristic is the field defaults
+    (one instance per class)."""
+
+    @classmethod
+    @functools.cache
+    def heuristic(cls: type[C]) -> C:
+        return cls()
 
 
 _NO_OVERRIDES: Mapping[type, Mapping[str, Any]] = types.MappingProxyType({})

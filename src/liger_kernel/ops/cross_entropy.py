@@ -50,7 +50,6 @@ gives NaN); class weights get no gradient. The loss has the logits' dtype, as to
 """
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -58,7 +57,7 @@ import triton.language as tl
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_float_dtype, check_same_device
-from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     launch_kernel,
     liger_custom_op,
@@ -83,7 +82,7 @@ __all__ = ["CrossEntropyConfig", "CrossEntropyOutput", "LigerCrossEntropyFunctio
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyConfig(LaunchConfig):
+class CrossEntropyConfig(FixedLaunchConfig):
     """Launch parameters of the cross-entropy row kernel (the same for every shape).
 
     * ``max_block``: column block of the row loop (a power of two). At V = 128256 bf16 on
@@ -104,11 +103,6 @@ class CrossEntropyConfig(LaunchConfig):
     programs_per_sm: float = 4
     prefetch: bool = True
     lane_width: int = 8
-
-    @classmethod
-    @functools.cache
-    def heuristic(cls) -> "CrossEntropyConfig":
-        return cls()
 
     @classmethod
     def search_space(cls):
@@ -402,25 +396,12 @@ def _cross_entropy_kernel(
                     tl.store(grad_row + safe_target, target_grad.to(grad_ptr.dtype.element_ty))
 
 
-def launch_cross_entropy_kernel(
-    logits: torch.Tensor,
-    grad: torch.Tensor,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    row_scale: torch.Tensor | None,
-    loss_rows: torch.Tensor,
-    z_rows: torch.Tensor,
-    correct_rows: torch.Tensor,
-    ce_denominator: torch.Tensor,
-    z_denominator: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    mean_reduction: bool,
-    compute_grad: bool,
-    compute_accuracy: bool,
-) -> None:
+def launch_cross_entropy_kernel(logits: torch.Tensor, grad: torch.Tensor, target: torch.Tensor,
+                                class_weight: torch.Tensor | None, row_scale: torch.Tensor | None,
+                                loss_rows: torch.Tensor, z_rows: torch.Tensor, correct_rows: torch.Tensor,
+                                ce_denominator: torch.Tensor, z_denominator: torch.Tensor, ignore_index: int,
+                                label_smoothing: float, lse_square_scale: float, softcap: float, mean_reduction: bool,
+                                compute_grad: bool, compute_accuracy: bool) -> None:
     """Run the row kernel on ``logits`` (N, V) (unit column stride). Internal: no checks.
 
     Writes float32 per-row ``loss_rows``, ``z_rows``, ``correct_rows`` (N,) and, if
@@ -525,18 +506,9 @@ def _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, l
 def _forward_launcher(in_place: bool):
     """The launcher registered as one of the two ops (its annotations are the op's schema)."""
 
-    def launcher(
-        logits: torch.Tensor,
-        target: torch.Tensor,
-        class_weight: torch.Tensor | None,
-        ignore_index: int,
-        label_smoothing: float,
-        lse_square_scale: float,
-        softcap: float,
-        reduction: str,
-        compute_grad: bool,
-        compute_accuracy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def launcher(logits: torch.Tensor, target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int,
+                 label_smoothing: float, lse_square_scale: float, softcap: float, reduction: str, compute_grad: bool,
+                 compute_accuracy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return _forward(logits, target, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
                         reduction, compute_grad, compute_accuracy, in_place)
 

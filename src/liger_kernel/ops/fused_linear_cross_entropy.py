@@ -45,7 +45,7 @@ import torch
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
-from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
 from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.loss_options import (
@@ -60,7 +60,7 @@ from liger_kernel.ops.scaling import scale_gradient
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedLinearCrossEntropyConfig(LaunchConfig):
+class FusedLinearCrossEntropyConfig(FixedLaunchConfig):
     """Chunk sizing of the fused linear cross entropy (see :func:`chunk_rows_for`).
 
     The (C, V) chunk buffer gets the larger of ``chunk_budget_bytes`` and
@@ -79,11 +79,6 @@ class FusedLinearCrossEntropyConfig(LaunchConfig):
     chunk_floor_fraction: float = 0.085
     chunk_row_multiple: int = 64
     max_chunk_rows: int | None = None
-
-    @classmethod
-    @functools.cache
-    def heuristic(cls) -> "FusedLinearCrossEntropyConfig":
-        return cls()
 
     @classmethod
     def search_space(cls):
@@ -169,24 +164,11 @@ def accumulate_grad_weight(
         grad_weight[start:stop].add_(grad_chunk[:, start:stop].t() @ x_chunk)
 
 
-def _chunked_loss_and_grads(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    row_scale: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    mean_reduction: bool,
-    compute_accuracy: bool,
-    grad_input_needed: bool,
-    grad_weight_needed: bool,
-    grad_bias_needed: bool,
-    accum_fp32: bool,
-):
+def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+                            class_weight: torch.Tensor | None, row_scale: torch.Tensor | None, ignore_index: int,
+                            label_smoothing: float, lse_square_scale: float, softcap: float, mean_reduction: bool,
+                            compute_accuracy: bool, grad_input_needed: bool, grad_weight_needed: bool,
+                            grad_bias_needed: bool, accum_fp32: bool):
     """The chunk loop. Returns per-row (loss, z_loss, correct), the mean's count, and the grads.
 
     Gradients not asked for are returned as empty tensors. With ``row_scale`` (N,) each
@@ -289,24 +271,9 @@ def fused_linear_cross_entropy_forward(
     """
     with torch.autocast(device_type=x.device.type, enabled=False):
         loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias = (
-            _chunked_loss_and_grads(
-                x,
-                weight,
-                target,
-                bias,
-                class_weight,
-                None,
-                ignore_index,
-                label_smoothing,
-                lse_square_scale,
-                softcap,
-                reduction == "mean",
-                compute_accuracy,
-                grad_input_needed,
-                grad_weight_needed,
-                grad_bias_needed,
-                accum_fp32,
-            )
+            _chunked_loss_and_grads(x, weight, target, bias, class_weight, None, ignore_index, label_smoothing,
+                                    lse_square_scale, softcap, reduction == "mean", compute_accuracy,
+                                    grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32)
         )
     return (
         *reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction),
@@ -325,45 +292,21 @@ def _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bia
 
 
 @fused_linear_cross_entropy_forward.register_fake
-def _fused_linear_cross_entropy_forward_fake(
-    x,
-    weight,
-    target,
-    bias,
-    class_weight,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-    reduction,
-    compute_accuracy,
-    grad_input_needed,
-    grad_weight_needed,
-    grad_bias_needed,
-    accum_fp32,
-):
+def _fused_linear_cross_entropy_forward_fake(x, weight, target, bias, class_weight, ignore_index, label_smoothing,
+                                             lse_square_scale, softcap, reduction, compute_accuracy,
+                                             grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32):
     shape = (x.shape[0],) if reduction == "none" else ()
     losses = [x.new_empty(shape, dtype=torch.float32) for _ in range(3)]
     return (*losses, *_fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed))
 
 
 @liger_custom_op("fused_linear_cross_entropy_backward")
-def fused_linear_cross_entropy_backward(
-    grad_rows: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    grad_input_needed: bool,
-    grad_weight_needed: bool,
-    grad_bias_needed: bool,
-    accum_fp32: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_linear_cross_entropy_backward(grad_rows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                        target: torch.Tensor, bias: torch.Tensor | None,
+                                        class_weight: torch.Tensor | None, ignore_index: int, label_smoothing: float,
+                                        lse_square_scale: float, softcap: float, grad_input_needed: bool,
+                                        grad_weight_needed: bool, grad_bias_needed: bool,
+                                        accum_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher for the ``"none"`` backward: (dX, dW, dB) for per-row upstream gradient ``grad_rows`` (N,).
 
     Recomputes each chunk's logits; the kernel scales row ``i`` of the logit gradient by
@@ -372,43 +315,15 @@ def fused_linear_cross_entropy_backward(
     grad_rows = grad_rows.to(torch.float32).contiguous()
     with torch.autocast(device_type=x.device.type, enabled=False):
         *_, grad_input, grad_weight, grad_bias = _chunked_loss_and_grads(
-            x,
-            weight,
-            target,
-            bias,
-            class_weight,
-            grad_rows,
-            ignore_index,
-            label_smoothing,
-            lse_square_scale,
-            softcap,
-            False,
-            False,
-            grad_input_needed,
-            grad_weight_needed,
-            grad_bias_needed,
-            accum_fp32,
-        )
+            x, weight, target, bias, class_weight, grad_rows, ignore_index, label_smoothing, lse_square_scale,
+            softcap, False, False, grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32)
     return grad_input, grad_weight, grad_bias
 
 
 @fused_linear_cross_entropy_backward.register_fake
-def _fused_linear_cross_entropy_backward_fake(
-    grad_rows,
-    x,
-    weight,
-    target,
-    bias,
-    class_weight,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-    grad_input_needed,
-    grad_weight_needed,
-    grad_bias_needed,
-    accum_fp32,
-):
+def _fused_linear_cross_entropy_backward_fake(grad_rows, x, weight, target, bias, class_weight, ignore_index,
+                                              label_smoothing, lse_square_scale, softcap, grad_input_needed,
+                                              grad_weight_needed, grad_bias_needed, accum_fp32):
     return _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed)
 
 

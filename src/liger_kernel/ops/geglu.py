@@ -20,14 +20,10 @@ The backward recomputes ``gelu(a)`` from the saved ``a`` and ``b``. HF computes 
 activation and the product in the input dtype (two roundings); the kernel rounds once.
 """
 
-import torch
-
-from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.swiglu import (
     GATED_OPS,
     GELU_TANH,
-    gated_function_backward,
-    gated_function_forward,
+    gated_mul_function,
     make_gated_ops,
 )
 
@@ -35,7 +31,7 @@ GEGLU_OPS = make_gated_ops("geglu", GELU_TANH)
 GATED_OPS[GELU_TANH] = GEGLU_OPS
 
 
-class LigerGELUMulFunction(torch.autograd.Function):
+class LigerGELUMulFunction(gated_mul_function(GEGLU_OPS)):
     """``h = gelu_tanh(a) * b`` (GeGLU's gating).
 
     ``apply(a, b, in_place=False)``: ``a`` (gate) and ``b`` (up) of one shape (..., I) and
@@ -43,13 +39,3 @@ class LigerGELUMulFunction(torch.autograd.Function):
     ``in_place=True`` the backward may write da/db over a/b when that is provably safe
     (see :mod:`liger_kernel.ops.swiglu`).
     """
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-        return gated_function_forward(ctx, GEGLU_OPS, a, b, in_place)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_h: torch.Tensor):
-        da, db = gated_function_backward(ctx, GEGLU_OPS, grad_h)
-        return da, db, None

@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.autograd import once_differentiable
-from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.launch import is_interpreter, launch_kernel, liger_custom_op
 from liger_kernel.ops.loss_options import check_ignore_index
@@ -47,13 +46,12 @@ from liger_kernel.ops.numerics import round_to_dtype
 from liger_kernel.ops.scaling import scale_gradient
 from liger_kernel.ops.vocab_rows import (
     VocabRowConfig,
-    as_vocab_rows,
     check_devices,
     check_distribution_pair,
-    check_labels,
     counted_rows,
     gradient_buffer,
     is_meta,
+    labelled_vocab_rows,
     run_launcher,
 )
 
@@ -210,12 +208,7 @@ class LigerJSDFunction(torch.autograd.Function):
         check_devices([("input", input), ("target", target), ("shift_labels", shift_labels)])
         beta = check_beta(beta)
         ignore_index = check_ignore_index(ignore_index)
-        x = as_vocab_rows(input)
-        y = as_vocab_rows(target)
-        labels = None
-        if shift_labels is not None:
-            check_tensor(shift_labels, "shift_labels")
-            labels = check_labels(shift_labels.reshape(-1), x.shape[0])
+        x, y, labels = labelled_vocab_rows(input, target, shift_labels)
         compute_dx, compute_dy = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
         loss, dx, dy = run_launcher(jsd_forward, x, y, labels, beta, ignore_index, compute_dx, compute_dy)
         ctx.shapes = (input.shape, target.shape)

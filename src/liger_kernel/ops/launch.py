@@ -105,6 +105,15 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def tile_rows_and_warps(n_rows: int, row_elements: int, tile_elements: int) -> tuple[int, int]:
+    """Rows per tile of a 2-D tiled kernel whose rows span ``row_elements`` (a power of two):
+    about ``tile_elements`` per tile, at least one row and no more than ``n_rows`` rounded up
+    to a power of two; and the warps for a tile of that many elements."""
+    block_rows = min(max(1, tile_elements // row_elements), next_power_of_2(n_rows))
+    _, num_warps = row_launch_settings(block_rows * row_elements, max_block=MAX_BLOCK)
+    return block_rows, num_warps
+
+
 # --------------------------------------------------------------------------------------
 # Kernel launch with a cached specialisation.
 #

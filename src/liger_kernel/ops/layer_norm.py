@@ -55,57 +55,25 @@ from typing import Optional, Tuple  # Optional, not "X | None", in custom-op sch
 import torch
 
 from liger_kernel.ops.autograd import once_differentiable
-from liger_kernel.ops.checks import (
-    as_rows,
-    check_float_dtype,
-    check_last_dim,
-    check_same_device,
-    check_tensor,
-)
+from liger_kernel.ops.checks import as_rows
 from liger_kernel.ops.grad_ownership import backward_writes_into_grad
 from liger_kernel.ops.launch import launch_kernel, liger_custom_op
 from liger_kernel.ops.row_norm import (
     ROW_NORM_CAST_FP32,
-    row_norm_backward_kernel,
+    check_row_norm_args,
+    row_norm_backward,
     row_norm_forward_kernel,
-    row_norm_grad_buffers,
     row_norm_launch,
-    sum_partials,
 )
 
 
 def check_layer_norm_args(X: object, W: object, B: object, eps: object) -> None:
     """Raise ``TypeError``/``ValueError`` naming the offending argument."""
-    check_tensor(X, "X")
-    check_tensor(W, "W")
-    check_float_dtype(X, "X")
-    check_float_dtype(W, "W")
-    if W.dim() != 1:
-        raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
-    check_last_dim(X, W.shape[0], "X", "W.shape[0]")
-    if B is not None:
-        check_tensor(B, "B")
-        check_float_dtype(B, "B")
-        if B.shape != W.shape:
-            raise ValueError(f"B has shape {tuple(B.shape)}; it must match W's shape {tuple(W.shape)}")
-    check_same_device([("X", X), ("W", W), ("B", B)])
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    check_row_norm_args(X, W, B, eps)
 
 
 def _launch_args(launch, backward: bool) -> dict:
-    args = dict(
-        CENTER=True, CASTING=ROW_NORM_CAST_FP32,
-        FUSED=launch.fused, BLOCK_ROWS=launch.backward_block_rows if backward else launch.block_rows,
-        BLOCK_COLS=launch.block_cols, ROUND_BY_HAND=launch.round_by_hand,
-        num_warps=launch.backward_num_warps if backward else launch.num_warps,
-    )
-    if backward:
-        args["PREFETCH"] = launch.backward_prefetch
-        args["ROW_ACCUMULATOR"] = launch.backward_row_accumulator
-    return args
+    return dict(CENTER=True, CASTING=ROW_NORM_CAST_FP32, **launch.kernel_args(backward))
 
 
 @liger_custom_op("layer_norm_forward")
@@ -150,24 +118,10 @@ def layer_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torc
     contiguous with x's dtype) grad_x is written into ``grad_output`` and the returned
     grad_x is an empty tensor (a custom op may not return an alias of its input).
     """
-    has_bias = bias is not None
-    x_rows = as_rows(x)
-    n_rows, n_cols = x_rows.shape
-    dy_rows, dx_rows, grad_x = row_norm_grad_buffers(grad_output, x, in_place)
-    if n_rows == 0 or n_cols == 0:
-        grad_bias = torch.zeros_like(bias) if has_bias else weight.new_empty((0,))
-        return grad_x, torch.zeros_like(weight), grad_bias
-    launch = row_norm_launch(n_rows, n_cols, x.device, center=True)
-    n_partials = 2 if has_bias else 1
-    partials = torch.empty((n_partials, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
-    launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
-        dy_rows, x_rows, weight.contiguous(), mean, rstd, dx_rows, partials[0], partials[n_partials - 1],
-        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), 0.0,
-        HAS_BIAS=has_bias, **_launch_args(launch, backward=True),
-    )
-    sums = sum_partials(partials, [weight.dtype, bias.dtype] if has_bias else [weight.dtype], launch)
-    grad_weight = sums[0].view(weight.shape)
-    grad_bias = sums[1].view(bias.shape) if has_bias else weight.new_empty((0,))
+    grad_x, grad_weight, grad_bias = row_norm_backward(grad_output, x, weight, bias, mean, rstd, 0.0, True,
+                                                       ROW_NORM_CAST_FP32, in_place)
+    if grad_bias is None:
+        grad_bias = weight.new_empty((0,))
     return grad_x, grad_weight, grad_bias
 
 

@@ -66,24 +66,17 @@ from typing import Tuple
 import torch
 
 from liger_kernel.ops.autograd import once_differentiable
-from liger_kernel.ops.checks import (
-    as_rows,
-    check_float_dtype,
-    check_last_dim,
-    check_same_device,
-    check_tensor,
-)
+from liger_kernel.ops.checks import as_rows
 from liger_kernel.ops.grad_ownership import backward_writes_into_grad
 from liger_kernel.ops.launch import launch_kernel, liger_custom_op
 from liger_kernel.ops.row_norm import (
     ROW_NORM_CAST_FP32,
     ROW_NORM_CAST_LLAMA,
     ROW_NORM_CAST_NONE,
-    row_norm_backward_kernel,
+    check_row_norm_args,
+    row_norm_backward,
     row_norm_forward_kernel,
-    row_norm_grad_buffers,
     row_norm_launch,
-    sum_partials,
 )
 
 CASTING_MODES = {
@@ -109,18 +102,7 @@ def rms_norm_output_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting_mo
 def check_rms_norm_args(X: object, W: object, eps: object, offset: object, casting_mode: object,
                         in_place: object) -> None:
     """Raise ``TypeError``/``ValueError`` naming the offending argument."""
-    check_tensor(X, "X")
-    check_tensor(W, "W")
-    check_float_dtype(X, "X")
-    check_float_dtype(W, "W")
-    if W.dim() != 1:
-        raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
-    check_last_dim(X, W.shape[0], "X", "W.shape[0]")
-    check_same_device([("X", X), ("W", W)])
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    check_row_norm_args(X, W, None, eps)
     if not isinstance(offset, (int, float)) or isinstance(offset, bool):
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
     if not isinstance(casting_mode, str):
@@ -152,10 +134,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
             rows, weight.contiguous(), rows, y_rows, rstd, rstd,  # no bias, no mean: unused pointers
             n_rows, n_cols, rows.stride(0), y_rows.stride(0),
             eps, offset,
-            CENTER=False, HAS_BIAS=False, CASTING=casting,
-            FUSED=launch.fused, BLOCK_ROWS=launch.block_rows, BLOCK_COLS=launch.block_cols,
-            ROUND_BY_HAND=launch.round_by_hand,
-            num_warps=launch.num_warps,
+            CENTER=False, HAS_BIAS=False, CASTING=casting, **launch.kernel_args(backward=False),
         )
     return y, rstd
 
@@ -176,24 +155,8 @@ def rms_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
     (a custom op may not return an alias of its input); the caller uses grad_output.
     """
     casting = _casting_code(casting_mode)
-    x_rows = as_rows(x)
-    n_rows, n_cols = x_rows.shape
-    dy_rows, dx_rows, grad_x = row_norm_grad_buffers(grad_output, x, in_place)
-    if n_rows == 0 or n_cols == 0:
-        return grad_x, torch.zeros_like(weight)
-    launch = row_norm_launch(n_rows, n_cols, x.device)
-    partials = torch.empty((1, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
-    dw_partial = partials[0]
-    launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
-        dy_rows, x_rows, weight.contiguous(), rstd, rstd, dx_rows, dw_partial, dw_partial,
-        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
-        CENTER=False, HAS_BIAS=False, CASTING=casting,
-        FUSED=launch.fused, BLOCK_ROWS=launch.backward_block_rows, BLOCK_COLS=launch.block_cols,
-        ROUND_BY_HAND=launch.round_by_hand, PREFETCH=launch.backward_prefetch,
-        ROW_ACCUMULATOR=launch.backward_row_accumulator,
-        num_warps=launch.backward_num_warps,
-    )
-    (grad_weight,) = sum_partials(partials, [weight.dtype], launch)
+    grad_x, grad_weight, _ = row_norm_backward(grad_output, x, weight, None, rstd, rstd, offset, False, casting,
+                                               in_place)
     return grad_x, grad_weight
 
 

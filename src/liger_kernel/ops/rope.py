@@ -65,13 +65,12 @@ from liger_kernel.ops.checks import (
 )
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
-    MAX_BLOCK,
     cdiv,
     is_interpreter,
     launch_kernel,
     liger_custom_op,
     next_power_of_2,
-    row_launch_settings,
+    tile_rows_and_warps,
 )
 from liger_kernel.ops.numerics import round_to_dtype
 
@@ -96,10 +95,7 @@ class RopeConfig(LaunchConfig):
     MAX_BLOCK_HEADS: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_t", "block_hq", "block_hk", "num_warps"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
-                raise ValueError(f"RopeConfig.{name} must be a power of two, got {value!r}")
+        self.check_powers_of_two("block_t", "block_hq", "block_hk", "num_warps")
 
     @classmethod
     def heuristic(cls, seq_len: int, n_q_heads: int, n_k_heads: int, rot_half: int) -> "RopeConfig":
@@ -122,8 +118,7 @@ def _rope_geometry(seq_len: int, n_q_heads: int, n_k_heads: int, rot_half: int, 
     block_hq = min(next_power_of_2(max(n_q_heads, 1)), max_block_heads)
     block_hk = min(next_power_of_2(max(n_k_heads, 1)), max_block_heads)
     per_position = max(block_hq, block_hk) * next_power_of_2(rot_half)
-    block_t = min(max(1, tile_elements // per_position), next_power_of_2(seq_len))
-    _, num_warps = row_launch_settings(block_t * per_position, max_block=MAX_BLOCK)
+    block_t, num_warps = tile_rows_and_warps(seq_len, per_position, tile_elements)
     return RopeConfig(block_t, block_hq, block_hk, num_warps)
 
 

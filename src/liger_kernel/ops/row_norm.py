@@ -28,13 +28,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.checks import as_rows
+from liger_kernel.ops.checks import (
+    as_rows,
+    check_float_dtype,
+    check_last_dim,
+    check_same_device,
+    check_tensor,
+)
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
@@ -168,6 +175,39 @@ class RowNormLaunch:
     backward_row_accumulator: bool  # dW/dB kept per tile row until the end (see the config)
     partials_sum_block_rows: int
     partials_sum_block_cols: int
+
+    def kernel_args(self, backward: bool) -> dict:
+        """The geometry arguments (constexprs and ``num_warps``) of
+        :func:`row_norm_forward_kernel`, or of :func:`row_norm_backward_kernel` (``backward``)."""
+        args = dict(FUSED=self.fused, BLOCK_ROWS=self.backward_block_rows if backward else self.block_rows,
+                    BLOCK_COLS=self.block_cols, ROUND_BY_HAND=self.round_by_hand,
+                    num_warps=self.backward_num_warps if backward else self.num_warps)
+        if backward:
+            args.update(PREFETCH=self.backward_prefetch, ROW_ACCUMULATOR=self.backward_row_accumulator)
+        return args
+
+
+def check_row_norm_args(X: object, W: object, B: object, eps: object) -> None:
+    """The checks RMSNorm and LayerNorm share: ``X`` (..., H) and ``W`` (H,) (and ``B`` (H,)
+    unless None) float tensors on one device, ``eps`` a finite float >= 0. Raises
+    ``TypeError``/``ValueError`` naming the offending argument."""
+    check_tensor(X, "X")
+    check_tensor(W, "W")
+    check_float_dtype(X, "X")
+    check_float_dtype(W, "W")
+    if W.dim() != 1:
+        raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
+    check_last_dim(X, W.shape[0], "X", "W.shape[0]")
+    if B is not None:
+        check_tensor(B, "B")
+        check_float_dtype(B, "B")
+        if B.shape != W.shape:
+            raise ValueError(f"B has shape {tuple(B.shape)}; it must match W's shape {tuple(W.shape)}")
+    check_same_device([("X", X), ("W", W), ("B", B)])
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
 def row_norm_launch(n_rows: int, n_cols: int, device: torch.device, center: bool = False) -> RowNormLaunch:
@@ -599,3 +639,30 @@ def sum_partials(partials: torch.Tensor, dtypes: Sequence[torch.dtype],
                   BLOCK_ROWS=launch.partials_sum_block_rows, BLOCK_COLS=launch.partials_sum_block_cols,
                   ROUND_BY_HAND=is_interpreter(), num_warps=4)
     return outs
+
+
+def row_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      mean: torch.Tensor, rstd: torch.Tensor, offset: float, center: bool, casting: int,
+                      in_place: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Host side of a norm's backward: ``(grad_x, grad_weight, grad_bias)``, ``grad_bias`` None
+    without ``bias``; ``grad_x`` as :func:`row_norm_grad_buffers` gives it.
+
+    ``mean`` (N,) float32 when ``center`` (LayerNorm), else any (N,) float32 tensor (not read);
+    ``rstd`` (N,) float32; ``offset`` and ``casting`` as in :func:`row_norm_backward_kernel`.
+    """
+    has_bias = bias is not None
+    x_rows = as_rows(x)
+    n_rows, n_cols = x_rows.shape
+    dy_rows, dx_rows, grad_x = row_norm_grad_buffers(grad_output, x, in_place)
+    if n_rows == 0 or n_cols == 0:
+        return grad_x, torch.zeros_like(weight), torch.zeros_like(bias) if has_bias else None
+    launch = row_norm_launch(n_rows, n_cols, x.device, center=center)
+    n_partials = 2 if has_bias else 1
+    partials = torch.empty((n_partials, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
+    launch_kernel(row_norm_backward_kernel, (launch.backward_programs,),
+        dy_rows, x_rows, weight.contiguous(), mean, rstd, dx_rows, partials[0], partials[n_partials - 1],
+        n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
+        CENTER=center, HAS_BIAS=has_bias, CASTING=casting, **launch.kernel_args(backward=True),
+    )
+    sums = sum_partials(partials, [weight.dtype, bias.dtype] if has_bias else [weight.dtype], launch)
+    return grad_x, sums[0].view(weight.shape), sums[1].view(bias.shape) if has_bias else None

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.config import LaunchConfig, launch_config
+from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     is_interpreter,
     launch_kernel,
@@ -27,17 +26,12 @@ from liger_kernel.ops.numerics import round_to_dtype
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaleConfig(LaunchConfig):
+class ScaleConfig(FixedLaunchConfig):
     """Launch parameters of :func:`scale_in_place`: ``block`` columns per step (a contiguous
     tensor is processed as rows of ``block`` elements) and persistent ``programs_per_sm``."""
 
     block: int = 4096
     programs_per_sm: float = 4
-
-    @classmethod
-    @functools.cache
-    def heuristic(cls) -> ScaleConfig:
-        return cls()
 
 
 @triton.jit

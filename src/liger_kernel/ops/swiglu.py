@@ -78,8 +78,8 @@ from liger_kernel.ops.launch import (
     is_interpreter,
     launch_kernel,
     liger_custom_op,
-    next_power_of_2,
     row_launch_settings,
+    tile_rows_and_warps,
 )
 from liger_kernel.ops.numerics import round_to_dtype
 
@@ -186,10 +186,7 @@ class GatedActivationConfig(LaunchConfig):
     MAX_BLOCK_COLS: ClassVar[int] = 1024
 
     def __post_init__(self) -> None:
-        for name in ("block_rows", "block_cols", "num_warps"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
-                raise ValueError(f"GatedActivationConfig.{name} must be a power of two, got {value!r}")
+        self.check_powers_of_two("block_rows", "block_cols", "num_warps")
         if self.block_rows * self.block_cols > MAX_BLOCK:
             raise ValueError(f"GatedActivationConfig: a tile of {self.block_rows} x {self.block_cols} elements "
                              f"exceeds Triton's {MAX_BLOCK}")
@@ -213,8 +210,7 @@ def _gated_geometry(n_rows: int, n_cols: int, tile_elements: int, max_block_cols
                     interpreter: bool) -> GatedActivationConfig:
     # ``interpreter`` only keys the cache: row_launch_settings' warps depend on it.
     block_cols, _ = row_launch_settings(n_cols, max_block=max_block_cols)
-    block_rows = min(max(1, tile_elements // block_cols), next_power_of_2(n_rows))
-    _, num_warps = row_launch_settings(block_rows * block_cols, max_block=MAX_BLOCK)
+    block_rows, num_warps = tile_rows_and_warps(n_rows, block_cols, tile_elements)
     return GatedActivationConfig(block_rows, block_cols, num_warps)
 
 
@@ -463,23 +459,33 @@ SWIGLU_OPS = make_gated_ops("swiglu", SILU)
 GATED_OPS = {SILU: SWIGLU_OPS}
 
 
-class LigerSiLUMulFunction(torch.autograd.Function):
+def gated_mul_function(ops: SimpleNamespace) -> type:
+    """Base of the autograd Function of ``h = act(a) * b`` on the registered ``ops``:
+    ``apply(a, b, in_place=False)``; see the module docstring for the math and in-place rule.
+    (Static methods closing over ``ops``, which ``torch.compile`` traces, not a class attribute
+    read by a classmethod, which it does not.)"""
+
+    class GatedMulFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+            return gated_function_forward(ctx, ops, a, b, in_place)
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad_h: torch.Tensor):
+            da, db = gated_function_backward(ctx, ops, grad_h)
+            return da, db, None
+
+    return GatedMulFunction
+
+
+class LigerSiLUMulFunction(gated_mul_function(SWIGLU_OPS)):
     """``h = silu(a) * b`` (SwiGLU's gating); see the module docstring for math and in-place.
 
     ``apply(a, b, in_place=False)``: ``a`` (gate) and ``b`` (up) of one shape (..., I) and
     dtype (fp32/bf16/fp16), any unit-last-stride layout. Returns ``h`` of that shape and
     dtype. Gradients flow to ``a`` and ``b``.
     """
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-        return gated_function_forward(ctx, SWIGLU_OPS, a, b, in_place)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_h: torch.Tensor):
-        da, db = gated_function_backward(ctx, SWIGLU_OPS, grad_h)
-        return da, db, None
 
 
 def _linear_weight_for(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.autograd import once_differentiable
-from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.launch import is_interpreter, launch_kernel, liger_custom_op
 from liger_kernel.ops.loss_options import check_ignore_index
@@ -33,9 +32,9 @@ from liger_kernel.ops.vocab_rows import (
     as_vocab_rows,
     check_devices,
     check_distribution_pair,
-    check_labels,
     counted_rows,
     gradient_buffer,
+    labelled_vocab_rows,
     loss_output,
     run_launcher,
 )
@@ -176,13 +175,8 @@ class LigerTVDLossFunction(torch.autograd.Function):
         if reduction not in TVD_REDUCTIONS:
             raise ValueError(f"reduction must be one of {TVD_REDUCTIONS}, got {reduction!r}")
         ignore_index = check_ignore_index(ignore_index)
-        p_rows = as_vocab_rows(p)
-        q_rows = as_vocab_rows(q)
+        p_rows, q_rows, labels = labelled_vocab_rows(p, q, shift_labels)
         n_rows, n_cols = p_rows.shape
-        labels = None
-        if shift_labels is not None:
-            check_tensor(shift_labels, "shift_labels")
-            labels = check_labels(shift_labels.reshape(-1), n_rows)
         count = counted_rows(labels, ignore_index, n_rows, p.device)
         elementwise = reduction == "none"
         out = run_launcher(tvd_forward, p_rows, q_rows, labels, ignore_index, elementwise)

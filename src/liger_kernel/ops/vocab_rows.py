@@ -102,6 +102,18 @@ def check_labels(labels: torch.Tensor | None, n_rows: int, name: str = "shift_la
     return labels.contiguous()
 
 
+def labelled_vocab_rows(input: torch.Tensor, target: torch.Tensor, shift_labels: torch.Tensor | None):
+    """``(input_rows, target_rows, labels)``: the (N, V) row views of a checked distribution
+    pair and its optional per-row ``shift_labels`` as checked (N,) class indices (or None)."""
+    input_rows = as_vocab_rows(input)
+    target_rows = as_vocab_rows(target)
+    labels = None
+    if shift_labels is not None:
+        check_tensor(shift_labels, "shift_labels")
+        labels = check_labels(shift_labels.reshape(-1), input_rows.shape[0])
+    return input_rows, target_rows, labels
+
+
 def counted_rows(labels: torch.Tensor | None, ignore_index: int, n_rows: int, device: torch.device) -> torch.Tensor:
     """(1,) float32 device tensor: the rows whose label is not ``ignore_index`` (all rows without
     labels), at least 1, so that a batch with every row ignored gives 0 rather than 0/0.

@@ -128,18 +128,9 @@ class LigerCrossEntropyLoss(CrossEntropyLossBase):
     :func:`liger_cross_entropy`).
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor | None = None,
-        ignore_index: int = -100,
-        lse_square_scale: float = 0.0,
-        label_smoothing: float = 0.0,
-        reduction: str = "mean",
-        softcap: float | None = None,
-        return_z_loss: bool = False,
-        return_token_accuracy: bool = False,
-        in_place: bool = True,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
+                 label_smoothing: float = 0.0, reduction: str = "mean", softcap: float | None = None,
+                 return_z_loss: bool = False, return_token_accuracy: bool = False, in_place: bool = True) -> None:
         super().__init__(weight, ignore_index=ignore_index, lse_square_scale=lse_square_scale,
                          label_smoothing=label_smoothing, reduction=reduction, softcap=softcap,
                          return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)

@@ -75,18 +75,10 @@ class LigerFusedLinearCrossEntropyLoss(CrossEntropyLossBase):
 
     weight_name = "ce_weight"
 
-    def __init__(
-        self,
-        ce_weight: torch.Tensor | None = None,
-        ignore_index: int = -100,
-        lse_square_scale: float = 0.0,
-        label_smoothing: float = 0.0,
-        reduction: str = "mean",
-        softcap: float | None = None,
-        return_z_loss: bool = False,
-        accum_dtype: torch.dtype | None = None,
-        return_token_accuracy: bool = False,
-    ) -> None:
+    def __init__(self, ce_weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
+                 label_smoothing: float = 0.0, reduction: str = "mean", softcap: float | None = None,
+                 return_z_loss: bool = False, accum_dtype: torch.dtype | None = None,
+                 return_token_accuracy: bool = False) -> None:
         super().__init__(ce_weight, ignore_index=ignore_index, lse_square_scale=lse_square_scale,
                          label_smoothing=label_smoothing, reduction=reduction, softcap=softcap,
                          return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)

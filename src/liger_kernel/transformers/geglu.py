@@ -22,7 +22,7 @@ from torch import nn
 from liger_kernel.ops.geglu import LigerGELUMulFunction
 from liger_kernel.ops.swiglu import GELU_TANH
 from liger_kernel.transformers.families import GELU_TANH_ACTIVATIONS
-from liger_kernel.transformers.swiglu import gated_down_projection
+from liger_kernel.transformers.swiglu import gated_down_projection, set_mlp_sizes
 
 
 def liger_geglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
@@ -61,9 +61,7 @@ class LigerGEGLUMLP(nn.Module):
                 f"{type(self).__name__} computes gelu_tanh(gate) * up; config.{attr}={activation!r} is not one of "
                 f"{GELU_TANH_ACTIVATIONS} (plain 'gelu' is the exact erf GELU)"
             )
-        self.config = config
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
+        set_mlp_sizes(self, config)
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)

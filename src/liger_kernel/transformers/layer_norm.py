@@ -13,7 +13,7 @@ from torch import nn
 
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction, layer_norm_forward
 from liger_kernel.transformers.recompute import recomputing, register_recomputable
-from liger_kernel.transformers.rms_norm import norm_eps
+from liger_kernel.transformers.rms_norm import norm_eps, variance_epsilon_alias
 
 
 def liger_layer_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None, eps: float = 1e-6,
@@ -59,13 +59,7 @@ class LigerLayerNorm(nn.Module):
             self.register_parameter("bias", None)
         self.variance_epsilon = eps
 
-    @property
-    def eps(self) -> float:
-        return self.variance_epsilon
-
-    @eps.setter
-    def eps(self, value: float) -> None:
-        self.variance_epsilon = value
+    eps = variance_epsilon_alias()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         args = (hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self), getattr(self, "in_place", True))

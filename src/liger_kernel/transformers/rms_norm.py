@@ -27,6 +27,19 @@ def norm_eps(module: nn.Module) -> float:
     return eps
 
 
+def variance_epsilon_alias() -> property:
+    """An ``eps`` property reading and writing ``variance_epsilon``, so a norm module answers to
+    both names HF norms use for it."""
+
+    def get(self) -> float:
+        return self.variance_epsilon
+
+    def set_(self, value: float) -> None:
+        self.variance_epsilon = value
+
+    return property(get, set_)
+
+
 def liger_rms_norm(X: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
                    casting_mode: str = "llama", in_place: bool = True) -> torch.Tensor:
     """RMSNorm of ``X`` (..., H) over its last dim, times ``W + offset`` (W of shape (H,)).
@@ -76,13 +89,7 @@ class LigerRMSNorm(nn.Module):
         self.casting_mode = casting_mode
         self.in_place = in_place
 
-    @property
-    def eps(self) -> float:
-        return self.variance_epsilon
-
-    @eps.setter
-    def eps(self, value: float) -> None:
-        self.variance_epsilon = value
+    eps = variance_epsilon_alias()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         args = (hidden_states, self.weight, norm_eps(self), getattr(self, "offset", 0.0),

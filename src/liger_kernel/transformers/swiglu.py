@@ -77,6 +77,14 @@ def _check_activation(config: Any, accepted: tuple[str, ...], cls_name: str, att
     return activation
 
 
+def set_mlp_sizes(module: nn.Module, config: Any) -> None:
+    """The attributes HF's MLPs keep from their config: ``config``, ``hidden_size`` and
+    ``intermediate_size``."""
+    module.config = config
+    module.hidden_size = config.hidden_size
+    module.intermediate_size = config.intermediate_size
+
+
 class LigerSwiGLUMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``, a drop-in for HF's ``LlamaMLP``.
 
@@ -93,9 +101,7 @@ class LigerSwiGLUMLP(nn.Module):
     def __init__(self, config: Any, in_place: bool = True) -> None:
         super().__init__()
         _check_activation(config, SILU_ACTIVATIONS, type(self).__name__)
-        self.config = config
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
+        set_mlp_sizes(self, config)
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
@@ -121,9 +127,7 @@ class LigerPhi3SwiGLUMLP(nn.Module):
     def __init__(self, config: Any, in_place: bool = True) -> None:
         super().__init__()
         _check_activation(config, SILU_ACTIVATIONS, type(self).__name__)
-        self.config = config
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
+        set_mlp_sizes(self, config)
         self.gate_up_proj = nn.Linear(self.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
         self.in_place = in_place

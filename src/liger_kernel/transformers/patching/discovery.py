@@ -98,14 +98,15 @@ def _probe_dtype(module: nn.Module) -> torch.dtype:
 
 
 def _single_input_forward(module: nn.Module) -> bool:
-    """Whether ``module.forward`` takes exactly one required argument."""
+    """Whether ``module.forward`` takes exactly one argument and nothing else: a replacement
+    with the signature ``forward(x)`` must accept every call the model makes (a gated norm's
+    ``forward(x, gate=None)`` passes a one-argument probe but is called with the gate)."""
     try:
         parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return False
-    required = [p for p in parameters if p.default is inspect.Parameter.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(required) == 1
+    return len(parameters) == 1 and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                           inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 # ----------------------------------------------------------------------------------------
@@ -124,7 +125,9 @@ def is_norm_candidate(module: nn.Module) -> bool:
     if any(True for _ in module.children()):
         return False
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+    # A parameter: a "weight" buffer (a weightless norm's placeholder) need not match the width
+    # the norm is applied to, and the replacement would multiply by it.
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         return False
     if isinstance(module, nn.LayerNorm):
         return module.elementwise_affine and len(module.normalized_shape) == 1

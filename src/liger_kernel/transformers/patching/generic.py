@@ -110,20 +110,28 @@ class _Walk:
         self.report.count("rope", 1)
 
     def run(self) -> None:
-        options = self.options
         for module in self.model.modules():
             if module is self.model:
                 continue
-            if (options.rms_norm or options.layer_norm) and discovery.is_norm_candidate(module):
-                self.norm(module)
-            elif (options.swiglu or options.geglu) and discovery.mlp_layout(module) is not None:
-                self.mlp(module)
-            elif options.swiglu and discovery.is_experts_candidate(module):
-                self.experts(module)
-            if options.rope:
-                found = discovery.rotary_function(module)
-                if found is not None:
-                    self.rope(module, *found)
+            # A model discovery does not understand keeps the module as HF's: a patch must never
+            # be what breaks a user's training.
+            try:
+                self.visit(module)
+            except Exception as error:  # noqa: BLE001
+                self.leave(module, f"discovery failed on it: {type(error).__name__}: {error}")
+
+    def visit(self, module: nn.Module) -> None:
+        options = self.options
+        if (options.rms_norm or options.layer_norm) and discovery.is_norm_candidate(module):
+            self.norm(module)
+        elif (options.swiglu or options.geglu) and discovery.mlp_layout(module) is not None:
+            self.mlp(module)
+        elif options.swiglu and discovery.is_experts_candidate(module):
+            self.experts(module)
+        if options.rope:
+            found = discovery.rotary_function(module)
+            if found is not None:
+                self.rope(module, *found)
 
 
 def patch_head(model: nn.Module, options: PatchOptions, report: PatchReport) -> None:
@@ -132,7 +140,10 @@ def patch_head(model: nn.Module, options: PatchOptions, report: PatchReport) -> 
     if not (options.fused_linear_cross_entropy or options.cross_entropy):
         return
     cls = head_probe.base_class(model)
-    spec = head_probe.probe_head(model)
+    try:
+        spec = head_probe.probe_head(model)
+    except Exception as error:  # noqa: BLE001 - as for the modules: a failed probe keeps HF's forward
+        spec = f"its head probe failed: {type(error).__name__}: {error}"
     if isinstance(spec, str):
         report.leave(cls.__name__ + " (loss)", spec)
         return
