@@ -27,6 +27,7 @@
 #                 into $TMPDIR/liger_upstream (its own directory, never on this process's path; children
 #                 import it from LIGER_UPSTREAM_PATH); then the benchmarks get --peers all and the e2e
 #                 runs may name the liger-upstream variant. A peer that is missing is reported as skipped.
+#                 Wheels too large for one transfer travel split: see join_wheel_parts below.
 #   Examples, one device call each (wheels: run `scripts/gpu_check.sh` with .whl in the carry list):
 #     GPU_CHECK_TESTS=0 GPU_CHECK_E2E=0 GPU_CHECK_PEERS=1 BENCH_ARGS=--quick       kernels vs every peer
 #     GPU_CHECK_TESTS=0 GPU_CHECK_BENCH=0 E2E_ARGS="--variants all --skip-max-seq"  llama-1b, 4 variants + floor
@@ -147,6 +148,27 @@ except m.PackageNotFoundError:
     print('distribution liger-kernel not installed (transformers will not see it)')" 2>&1
 } >>"$out/env.txt"
 
+# A wheel over one call's transfer limit travels split (`split -n 2 -d X.whl X.whl.part-`, parts
+# named X.whl.part-00, X.whl.part-01, ...; the last part also as X.whl.parts-N, an empty file that
+# says how many there are) over calls on the same warm machine: parts found in the wheel folder are
+# kept in GPU_CHECK_WHEEL_STASH, and a wheel is joined back into the wheel folder once all its parts
+# have arrived.
+join_wheel_parts() {
+  local wheels=$1 stash=${GPU_CHECK_WHEEL_STASH:-/var/tmp/liger_wheel_parts} count whole n
+  mkdir -p "$stash"
+  cp "$wheels"/*.whl.part-* "$wheels"/*.whl.parts-* "$stash"/ 2>/dev/null || true
+  for count in "$stash"/*.whl.parts-*; do
+    [ -e "$count" ] || continue
+    whole=${count%.parts-*}
+    n=${count##*.parts-}
+    if [ "$(compgen -G "$whole.part-*" | wc -l)" -eq "$n" ]; then
+      cat "$whole".part-* >"$wheels/$(basename "$whole")" && echo "joined $(basename "$whole") from $n parts"
+    else
+      echo "$(basename "$whole"): $(compgen -G "$whole.part-*" | wc -l) of $n parts so far"
+    fi
+  done
+}
+
 if [ "${GPU_CHECK_PEERS:-0}" = 1 ]; then
   wheels=${GPU_CHECK_WHEELS:-$root/.whl}
   peer_site=${TMPDIR:-/tmp}/liger_peers
@@ -154,6 +176,7 @@ if [ "${GPU_CHECK_PEERS:-0}" = 1 ]; then
   {
     echo "# peers: wheels from $wheels"
     ls -la "$wheels" "$wheels/upstream" 2>&1
+    join_wheel_parts "$wheels"
     if compgen -G "$wheels/*.whl" >/dev/null; then
       "$PY" -m pip install --no-index --no-deps --upgrade --target "$peer_site" "$wheels"/*.whl 2>&1 | tail -2
       export PYTHONPATH="$PYTHONPATH:$peer_site"
