@@ -86,17 +86,18 @@ def policy_and_reference_log_probs(q: torch.Tensor, q_ref: torch.Tensor | None, 
 
 
 def preference_head_forward(ctx, bias_position: int, _input, weight, bias, ignore_index: int, group_fn,
-                            token_args: list, group_args: list, ref_head, paired: bool):
+                            token_args: list, group_args: list, ref_head, paired: bool, additive: bool = True):
     """Loss and metrics of ``group_fn`` over the chunked head ``TargetLogProbs(ignore_index)``,
     keeping the gradients of ``_input``, ``weight`` and ``bias`` (forward input
-    ``bias_position``) that the Function's inputs need for :func:`preference_head_backward`."""
+    ``bias_position``) that the Function's inputs need for :func:`preference_head_backward`.
+    ``additive=False`` for a loss that couples the batch's pairs (the engine's two passes)."""
     needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
              bias is not None and bool(ctx.needs_input_grad[bias_position]))
     ref_input, ref_weight, ref_bias = ref_head or (None, None, None)
     loss, metrics, grads = chunked_head_loss_and_grads(
         _input, weight, bias, TargetLogProbs(ignore_index), group_fn, token_args=token_args,
         group_args=group_args, ref_x=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, paired=paired,
-        additive=True, needs=needs)
+        additive=additive, needs=needs)
     save_head_grads(ctx, grads)
     return loss, metrics
 
@@ -117,7 +118,9 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     grad_output)[:4]`` (grads of ``_input``, ``weight``, ``target`` (None) and ``bias``) followed by
     one None per further argument. A subclass whose preference loss wants each sequence's number
     of counted tokens (as ``chosen_token_counts``, ``rejected_token_counts``, passed when the
-    log-probs are sums, not means) sets ``token_counts_to_loss_fn = True``.
+    log-probs are sums, not means) sets ``token_counts_to_loss_fn = True``. A loss that is not a
+    sum over pairs (one that sorts over the batch) passes ``couples_pairs=True`` to ``forward``:
+    ``preference_loss_fn`` then sees the whole batch at once.
     """
 
     token_counts_to_loss_fn = False
@@ -131,7 +134,7 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     def forward(cls, ctx, _input, weight, target, bias=None, chunk_size=1, ignore_index=-100, alpha=1.0, beta=0.1,
                 compute_nll_loss=True, nll_target=None, compiled=True, use_ref_model=False, ref_input=None,
                 ref_weight=None, ref_bias=None, average_log_prob=True, ref_chosen_logps=None,
-                ref_rejected_logps=None, **loss_kwargs):
+                ref_rejected_logps=None, couples_pairs=False, **loss_kwargs):
         """Loss and metrics of the module docstring.
 
         ``_input`` (B, T, D), ``weight`` (V, D), ``target`` (B, T), ``bias`` (V,) or None,
@@ -194,7 +197,7 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
 
         token_args = [target] if nll_target is None else [target, nll_target]
         return preference_head_forward(ctx, 3, _input, weight, bias, ignore_index, group_fn, token_args,
-                                       group_args, ref_head, paired=True)
+                                       group_args, ref_head, paired=True, additive=not couples_pairs)
 
     @staticmethod
     @once_differentiable
