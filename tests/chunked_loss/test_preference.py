@@ -341,6 +341,46 @@ def test_dpo_options(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, options)
           at_engine_logits=options["loss_type"] == "discopop")
 
 
+def wpo_reference(target, beta, loss_type, loss_weights, average):
+    """TRL's DPO with ``use_weighting``: each pair's loss times ``w_c w_r``, ``w`` the exp of the
+    mean over the counted tokens of ``log p(y_t) - log sum_v p_v^2``, held constant (WPO, Eq. 2)."""
+    inner = dpo_reference(target, beta, loss_type, 0.0, 0.05, average, True, None, 1.0, False,
+                          loss_weights=loss_weights)
+    types = [loss_type] if isinstance(loss_type, str) else loss_type
+
+    def loss_of_logits(logits, ref_logits):
+        _, metrics, q = inner(logits, ref_logits)
+        tok, counted = token_logps(logits, target)
+        log_sum_sq = torch.logsumexp(2 * logits.log_softmax(-1), -1)
+        weights = torch.exp(((tok - log_sum_sq) * counted).sum(-1) / counted.sum(-1).clamp_min(1)).detach()
+        half = target.shape[0] // 2
+        logps = seq_logps(tok, counted, average)
+        ref = seq_logps(*token_logps(ref_logits, target), average)
+        c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
+        counts = counted.sum(-1).double()
+        n_c, n_r = (torch.ones_like(c), torch.ones_like(r)) if average else (counts[:half], counts[half:])
+        per_pair = sum(w * reference_dpo_losses(c, r, beta, name, 0.0, 0.05, n_c, n_r)
+                       for name, w in zip(types, loss_weights or [1.0] * len(types)))
+        return (per_pair * weights[:half] * weights[half:]).mean(), metrics, q
+
+    return loss_of_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES)
+@pytest.mark.parametrize("loss_type, loss_weights, average", [("sigmoid", None, False), ("ipo", None, True),
+                                                              (["bco_pair", "hinge"], [0.7, 1.3], False)])
+def test_dpo_wpo_weighting(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, loss_type, loss_weights, average):
+    # A sharper head (scale 4) so that the weights spread over a range instead of sitting near 1/V.
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=True, scale=4.0)
+    ref_head = make_ref_head(x, weight, bias)
+    beta = 0.3
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, loss_weights=loss_weights, use_weighting=True,
+                                      average_log_prob=average)
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head),
+          wpo_reference(target, beta, loss_type, loss_weights, average), x, weight, bias, True, chunk_rows, ref_head)
+
+
 # --------------------------------------------------------------------------------------
 # ORPO, SimPO, CPO
 # --------------------------------------------------------------------------------------

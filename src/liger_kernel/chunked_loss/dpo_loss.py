@@ -44,6 +44,12 @@ averaged over the pairs. ``sft`` is the NLL the base computes, added with its we
 reference log-probs are 0. Extra metrics: ``chosen_rewards = b c`` and ``rejected_rewards =
 b r`` (B/2,).
 
+``use_weighting`` is WPO (TRL's): each pair's loss is multiplied by ``w_chosen * w_rejected``,
+``w = exp(mean over the counted tokens of log p(y_t) - log sum_v p_v^2)``, a constant (see
+:func:`~liger_kernel.chunked_loss.fused_linear_preference.wpo_sequence_weights`); not with
+``aot``/``aot_unpaired`` (TRL's rule: they pair ranks, not sequences) nor ``sft`` (TRL scales its
+batch NLL by the batch's mean pair weight, a product of two batch sums the chunks cannot add).
+
 ``ipo`` and ``sigmoid_norm`` follow TRL in normalising each score by its sequence's number of
 counted tokens (with ``average_log_prob=True`` the log-probs are already per-token means and
 are used as they are); the returned ``chosen_logps`` and rewards are those before that
@@ -79,7 +85,8 @@ def dpo_loss_types(loss_type: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def check_dpo_options(loss_type: str | Sequence[str], label_smoothing: float,
-                      f_divergence_type: str = "reverse_kl", loss_weights: Sequence[float] | None = None) -> None:
+                      f_divergence_type: str = "reverse_kl", loss_weights: Sequence[float] | None = None,
+                      use_weighting: bool = False) -> None:
     types = dpo_loss_types(loss_type)
     if not types:
         raise ValueError("loss_type needs at least one loss type")
@@ -94,6 +101,8 @@ def check_dpo_options(loss_type: str | Sequence[str], label_smoothing: float,
     if f_divergence_type != "reverse_kl" and not set(types) <= set(SCORE_DIFFERENCE_TYPES):
         raise ValueError(f"f_divergence_type={f_divergence_type!r} needs loss types among "
                          f"{', '.join(SCORE_DIFFERENCE_TYPES)}, got {', '.join(types)}")
+    if use_weighting and set(types) & {"sft", *BATCH_SORTED_TYPES}:
+        raise ValueError(f"use_weighting (WPO) does not apply to {', '.join(sorted(set(types) & {'sft', *BATCH_SORTED_TYPES}))}")
     if "exo_pair" in types and not 0.0 < label_smoothing < 1.0:
         raise ValueError("loss_type='exo_pair' needs 0 < label_smoothing < 1 (the EXO paper uses 1e-3)")
     if "robust" in types and not 0.0 <= label_smoothing < 0.5:
@@ -171,9 +180,10 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
     def preference_loss_fn(chosen_logps, rejected_logps, full_target, ref_chosen_logps=None, ref_rejected_logps=None,
                            beta=0.1, loss_type="sigmoid", label_smoothing=0.0, discopop_tau=0.05,
                            chosen_token_counts=None, rejected_token_counts=None, f_divergence_type="reverse_kl",
-                           f_alpha_divergence_coef=0.5, loss_weights=None):
+                           f_alpha_divergence_coef=0.5, loss_weights=None, pair_weights=None):
         """Mean over the batch's pairs of the weighted DPO losses of this chunk's pairs (``sft``
-        excluded: the base adds it as its NLL), and (chosen, rejected) rewards."""
+        excluded: the base adds it as its NLL), each pair's weighed by ``pair_weights`` (WPO)
+        when given, and (chosen, rejected) rewards."""
         ref_c = ref_chosen_logps if ref_chosen_logps is not None else torch.zeros_like(chosen_logps)
         ref_r = ref_rejected_logps if ref_rejected_logps is not None else torch.zeros_like(rejected_logps)
         c, r = chosen_logps - ref_c, rejected_logps - ref_r
@@ -188,6 +198,8 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
             if name != "sft":
                 losses = losses + weight * dpo_pair_losses(c, r, beta, name, label_smoothing, discopop_tau,
                                                            **pair_args)
+        if pair_weights is not None:
+            losses = losses * pair_weights
         return losses.sum() / (full_target.shape[0] // 2), beta * c, beta * r
 
     @classmethod
@@ -217,6 +229,7 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
         f_divergence_type="reverse_kl",
         f_alpha_divergence_coef=0.5,
         loss_weights=None,
+        use_weighting=False,
     ):
         """DPO loss of ``_input`` (B, T, D) through ``weight`` (V, D) (+ ``bias``) against ``target`` (B, T).
 
@@ -224,7 +237,7 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
         docstring). Returns ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean,
         rejected_logits_mean, nll_loss, chosen_rewards, rejected_rewards))``.
         """
-        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights)
+        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights, use_weighting)
         types = dpo_loss_types(loss_type)
         weights = tuple(float(w) for w in loss_weights) if loss_weights is not None else (1.0,) * len(types)
         # The sft term is the base's chosen-token NLL, so it joins alpha * nll with its own weight.
@@ -236,7 +249,7 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
             compute_nll_loss=compute_nll_loss or "sft" in types, compiled=compiled, use_ref_model=use_ref_model,
             ref_input=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, average_log_prob=average_log_prob,
             ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
-            couples_pairs=bool(set(types) & set(BATCH_SORTED_TYPES)), loss_type=types,
+            couples_pairs=bool(set(types) & set(BATCH_SORTED_TYPES)), wpo_weighting=use_weighting, loss_type=types,
             label_smoothing=label_smoothing, discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,
             f_alpha_divergence_coef=f_alpha_divergence_coef, loss_weights=weights,
         )
@@ -244,7 +257,7 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
     @staticmethod
     def backward(ctx, *grad_output):
         grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
-        return *grads, *(None,) * 19
+        return *grads, *(None,) * 20
 
 
 class LigerFusedLinearDPOLoss(torch.nn.Module):
@@ -268,9 +281,10 @@ class LigerFusedLinearDPOLoss(torch.nn.Module):
         f_divergence_type: str = "reverse_kl",
         f_alpha_divergence_coef: float = 0.5,
         loss_weights: Sequence[float] | None = None,
+        use_weighting: bool = False,
     ):
         super().__init__()
-        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights)
+        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights, use_weighting)
         self.ignore_index = ignore_index
         self.beta = beta
         self.alpha = alpha
@@ -285,6 +299,7 @@ class LigerFusedLinearDPOLoss(torch.nn.Module):
         self.f_divergence_type = f_divergence_type
         self.f_alpha_divergence_coef = f_alpha_divergence_coef
         self.loss_weights = loss_weights
+        self.use_weighting = use_weighting
 
     def forward(self, lin_weight, _input, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
                 ref_chosen_logps=None, ref_rejected_logps=None):
@@ -293,4 +308,5 @@ class LigerFusedLinearDPOLoss(torch.nn.Module):
             self.compute_nll_loss, self.compiled, self.use_ref_model, self.average_log_prob, self.chunk_size,
             self.loss_type, self.label_smoothing, self.discopop_tau, self.alpha, ref_chosen_logps,
             ref_rejected_logps, self.f_divergence_type, self.f_alpha_divergence_coef, self.loss_weights,
+            self.use_weighting,
         )
