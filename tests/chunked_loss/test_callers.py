@@ -108,6 +108,10 @@ def test_bad_arguments_raise():
         LigerFusedLinearDPOLoss(loss_type=[])
     with pytest.raises(ValueError, match="label_smoothing"):
         LigerFusedLinearDPOLoss(loss_type="aot", label_smoothing=0.7)
+    with pytest.raises(ValueError, match="use_weighting"):
+        LigerFusedLinearDPOLoss(loss_type=["sigmoid", "aot"], use_weighting=True)
+    with pytest.raises(ValueError, match="use_weighting"):
+        LigerFusedLinearDPOLoss(loss_type=["sigmoid", "sft"], use_weighting=True)
     with pytest.raises(ValueError, match="use_ref_model"):
         LigerFusedLinearDPOLoss()(weight, x, target, bias)
     with pytest.raises(ValueError, match="even"):
