@@ -50,6 +50,12 @@ b r`` (B/2,).
 ``aot``/``aot_unpaired`` (TRL's rule: they pair ranks, not sequences) nor ``sft`` (TRL scales its
 batch NLL by the batch's mean pair weight, a product of two batch sums the chunks cannot add).
 
+``ld_alpha`` (LD-DPO, TRL's; None: off) weighs the tokens of each sequence beyond the first
+``min(n_chosen, n_rejected)`` counted ones of its pair by ``ld_alpha`` in the summed log-probs of
+the policy and the reference head (precomputed reference log-probs are used as given)::
+
+    logps = sum_{t shared} log p(y_t) + ld_alpha * sum_{t beyond} log p(y_t)
+
 ``ipo`` and ``sigmoid_norm`` follow TRL in normalising each score by its sequence's number of
 counted tokens (with ``average_log_prob=True`` the log-probs are already per-token means and
 are used as they are); the returned ``chosen_logps`` and rewards are those before that
@@ -86,7 +92,8 @@ def dpo_loss_types(loss_type: str | Sequence[str]) -> tuple[str, ...]:
 
 def check_dpo_options(loss_type: str | Sequence[str], label_smoothing: float,
                       f_divergence_type: str = "reverse_kl", loss_weights: Sequence[float] | None = None,
-                      use_weighting: bool = False) -> None:
+                      use_weighting: bool = False, ld_alpha: float | None = None,
+                      average_log_prob: bool = False) -> None:
     types = dpo_loss_types(loss_type)
     if not types:
         raise ValueError("loss_type needs at least one loss type")
@@ -101,6 +108,10 @@ def check_dpo_options(loss_type: str | Sequence[str], label_smoothing: float,
     if f_divergence_type != "reverse_kl" and not set(types) <= set(SCORE_DIFFERENCE_TYPES):
         raise ValueError(f"f_divergence_type={f_divergence_type!r} needs loss types among "
                          f"{', '.join(SCORE_DIFFERENCE_TYPES)}, got {', '.join(types)}")
+    if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
+        raise ValueError(f"ld_alpha must lie in [0, 1], got {ld_alpha}")
+    if ld_alpha is not None and average_log_prob:
+        raise ValueError("ld_alpha weighs summed log-probs; it does not combine with average_log_prob=True")
     if use_weighting and set(types) & {"sft", *BATCH_SORTED_TYPES}:
         raise ValueError(f"use_weighting (WPO) does not apply to {', '.join(sorted(set(types) & {'sft', *BATCH_SORTED_TYPES}))}")
     if "exo_pair" in types and not 0.0 < label_smoothing < 1.0:
@@ -230,6 +241,7 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
         f_alpha_divergence_coef=0.5,
         loss_weights=None,
         use_weighting=False,
+        ld_alpha=None,
     ):
         """DPO loss of ``_input`` (B, T, D) through ``weight`` (V, D) (+ ``bias``) against ``target`` (B, T).
 
@@ -237,7 +249,8 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
         docstring). Returns ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean,
         rejected_logits_mean, nll_loss, chosen_rewards, rejected_rewards))``.
         """
-        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights, use_weighting)
+        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights, use_weighting, ld_alpha,
+                          average_log_prob)
         types = dpo_loss_types(loss_type)
         weights = tuple(float(w) for w in loss_weights) if loss_weights is not None else (1.0,) * len(types)
         # The sft term is the base's chosen-token NLL, so it joins alpha * nll with its own weight.
@@ -249,7 +262,8 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
             compute_nll_loss=compute_nll_loss or "sft" in types, compiled=compiled, use_ref_model=use_ref_model,
             ref_input=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, average_log_prob=average_log_prob,
             ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
-            couples_pairs=bool(set(types) & set(BATCH_SORTED_TYPES)), wpo_weighting=use_weighting, loss_type=types,
+            couples_pairs=bool(set(types) & set(BATCH_SORTED_TYPES)), wpo_weighting=use_weighting, ld_alpha=ld_alpha,
+            loss_type=types,
             label_smoothing=label_smoothing, discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,
             f_alpha_divergence_coef=f_alpha_divergence_coef, loss_weights=weights,
         )
@@ -257,7 +271,7 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
     @staticmethod
     def backward(ctx, *grad_output):
         grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
-        return *grads, *(None,) * 20
+        return *grads, *(None,) * 21
 
 
 class LigerFusedLinearDPOLoss(torch.nn.Module):
@@ -282,9 +296,11 @@ class LigerFusedLinearDPOLoss(torch.nn.Module):
         f_alpha_divergence_coef: float = 0.5,
         loss_weights: Sequence[float] | None = None,
         use_weighting: bool = False,
+        ld_alpha: float | None = None,
     ):
         super().__init__()
-        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights, use_weighting)
+        check_dpo_options(loss_type, label_smoothing, f_divergence_type, loss_weights, use_weighting, ld_alpha,
+                          average_log_prob)
         self.ignore_index = ignore_index
         self.beta = beta
         self.alpha = alpha
@@ -300,6 +316,7 @@ class LigerFusedLinearDPOLoss(torch.nn.Module):
         self.f_alpha_divergence_coef = f_alpha_divergence_coef
         self.loss_weights = loss_weights
         self.use_weighting = use_weighting
+        self.ld_alpha = ld_alpha
 
     def forward(self, lin_weight, _input, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
                 ref_chosen_logps=None, ref_rejected_logps=None):
@@ -308,5 +325,5 @@ class LigerFusedLinearDPOLoss(torch.nn.Module):
             self.compute_nll_loss, self.compiled, self.use_ref_model, self.average_log_prob, self.chunk_size,
             self.loss_type, self.label_smoothing, self.discopop_tau, self.alpha, ref_chosen_logps,
             ref_rejected_logps, self.f_divergence_type, self.f_alpha_divergence_coef, self.loss_weights,
-            self.use_weighting,
+            self.use_weighting, self.ld_alpha,
         )

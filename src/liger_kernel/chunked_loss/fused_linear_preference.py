@@ -87,13 +87,28 @@ def reference_head(use_ref_model: bool, ref_input, ref_weight, ref_bias):
     return None
 
 
+def length_desensitized_token_weights(counted: torch.Tensor, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's token weights (G, T) of a paired (chosen then rejected) counted mask: 1 on each
+    sequence's first ``min(n_chosen, n_rejected)`` counted tokens (the length the pair shares),
+    ``ld_alpha`` on the counted tokens after them, 0 on ignored ones."""
+    half = counted.shape[0] // 2
+    lengths = counted.sum(-1)
+    shared = torch.minimum(lengths[:half], lengths[half:]).repeat(2)
+    beyond = counted.cumsum(-1) > shared[:, None]
+    return torch.where(beyond, ld_alpha, 1.0) * counted
+
+
 def policy_and_reference_log_probs(q: torch.Tensor, q_ref: torch.Tensor | None, counted: torch.Tensor,
-                                   precomputed: tuple, average: bool):
+                                   precomputed: tuple, average: bool, token_weights: torch.Tensor | None = None):
     """Per-sequence log-probs (G,) of a group's policy head, and of its reference: the reference
-    head's (``q_ref``), else the precomputed ones (``precomputed[0]``), else None."""
-    logps = sequence_log_probs(q[..., 0], counted, average)
+    head's (``q_ref``), else the precomputed ones (``precomputed[0]``), else None. With
+    ``token_weights`` (G, T) each token's log-prob is weighed (LD-DPO) before the sum."""
+    def token_logps(quantities):
+        return quantities[..., 0] if token_weights is None else quantities[..., 0] * token_weights
+
+    logps = sequence_log_probs(token_logps(q), counted, average)
     if q_ref is not None:
-        return logps, sequence_log_probs(q_ref[..., 0], counted, average)
+        return logps, sequence_log_probs(token_logps(q_ref), counted, average)
     return logps, (precomputed[0] if precomputed else None)
 
 
@@ -135,7 +150,9 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     log-probs are sums, not means) sets ``token_counts_to_loss_fn = True``. A loss that is not a
     sum over pairs (one that sorts over the batch) passes ``couples_pairs=True`` to ``forward``:
     ``preference_loss_fn`` then sees the whole batch at once. ``wpo_weighting=True`` hands it WPO's
-    pair weights ``pair_weights`` (B/2,) (see :func:`wpo_sequence_weights`).
+    pair weights ``pair_weights`` (B/2,) (see :func:`wpo_sequence_weights`). ``ld_alpha`` (not
+    None) weighs each pair's tokens beyond its shared length by ``ld_alpha`` in both heads'
+    log-probs (LD-DPO, :func:`length_desensitized_token_weights`).
     """
 
     token_counts_to_loss_fn = False
@@ -149,7 +166,8 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     def forward(cls, ctx, _input, weight, target, bias=None, chunk_size=1, ignore_index=-100, alpha=1.0, beta=0.1,
                 compute_nll_loss=True, nll_target=None, compiled=True, use_ref_model=False, ref_input=None,
                 ref_weight=None, ref_bias=None, average_log_prob=True, ref_chosen_logps=None,
-                ref_rejected_logps=None, couples_pairs=False, wpo_weighting=False, **loss_kwargs):
+                ref_rejected_logps=None, couples_pairs=False, wpo_weighting=False, ld_alpha=None,
+                **loss_kwargs):
         """Loss and metrics of the module docstring.
 
         ``_input`` (B, T, D), ``weight`` (V, D), ``target`` (B, T), ``bias`` (V,) or None,
@@ -192,7 +210,9 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
 
         def group_fn(q, q_ref, counted, *precomputed):
             half = q.shape[0] // 2
-            logps, ref_logps = policy_and_reference_log_probs(q, q_ref, counted, precomputed, average_log_prob)
+            token_weights = None if ld_alpha is None else length_desensitized_token_weights(counted, ld_alpha)
+            logps, ref_logps = policy_and_reference_log_probs(q, q_ref, counted, precomputed, average_log_prob,
+                                                              token_weights)
             kwargs = dict(loss_kwargs)
             if ref_logps is not None:
                 kwargs.update(ref_chosen_logps=ref_logps[:half], ref_rejected_logps=ref_logps[half:])
