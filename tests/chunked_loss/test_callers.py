@@ -110,6 +110,10 @@ def test_bad_arguments_raise():
         LigerFusedLinearDPOLoss(loss_type="aot", label_smoothing=0.7)
     with pytest.raises(ValueError, match="use_weighting"):
         LigerFusedLinearDPOLoss(loss_type=["sigmoid", "aot"], use_weighting=True)
+    with pytest.raises(ValueError, match="ld_alpha"):
+        LigerFusedLinearDPOLoss(ld_alpha=1.5)
+    with pytest.raises(ValueError, match="ld_alpha"):
+        LigerFusedLinearDPOLoss(ld_alpha=0.5, average_log_prob=True)
     with pytest.raises(ValueError, match="use_weighting"):
         LigerFusedLinearDPOLoss(loss_type=["sigmoid", "sft"], use_weighting=True)
     with pytest.raises(ValueError, match="use_ref_model"):

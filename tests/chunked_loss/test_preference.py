@@ -381,6 +381,46 @@ def test_dpo_wpo_weighting(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, lo
           wpo_reference(target, beta, loss_type, loss_weights, average), x, weight, bias, True, chunk_rows, ref_head)
 
 
+def ld_dpo_reference(target, beta, loss_type, ld_alpha):
+    """TRL's DPO with ``ld_alpha`` (LD-DPO): in both heads' summed log-probs, the tokens of a
+    sequence past the completion length its pair shares (the shorter one's) weigh ``ld_alpha``."""
+
+    def weighted_logps(logits):
+        tok, counted = token_logps(logits, target)
+        position = counted.long().cumsum(-1)
+        lengths = counted.sum(-1)
+        half = target.shape[0] // 2
+        shared = torch.minimum(lengths[:half], lengths[half:])
+        shared = torch.cat([shared, shared])[:, None]
+        in_shared = (position > 0) & (position <= shared)
+        return (tok * in_shared).sum(-1) + ld_alpha * (tok * (position > shared)).sum(-1), tok, counted
+
+    def loss_of_logits(logits, ref_logits):
+        logps, tok, counted = weighted_logps(logits)
+        ref = weighted_logps(ref_logits)[0]
+        half = target.shape[0] // 2
+        c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
+        counts = counted.sum(-1).double()
+        loss = reference_dpo_losses(c, r, beta, loss_type, 0.0, 0.05, counts[:half], counts[half:]).mean()
+        metrics = pair_metrics(logits, logps, logits.shape[-1]) + [torch.zeros((), dtype=logits.dtype), beta * c,
+                                                                   beta * r]
+        return loss, metrics, tok.unsqueeze(-1)
+
+    return loss_of_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES)
+@pytest.mark.parametrize("loss_type, ld_alpha", [("sigmoid", 0.3), ("ipo", 0.0), ("bco_pair", 0.75)])
+def test_dpo_ld_alpha(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, loss_type, ld_alpha):
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=True)
+    ref_head = make_ref_head(x, weight, bias)
+    beta = 0.3
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, ld_alpha=ld_alpha)
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head), ld_dpo_reference(target, beta, loss_type, ld_alpha),
+          x, weight, bias, True, chunk_rows, ref_head)
+
+
 # --------------------------------------------------------------------------------------
 # ORPO, SimPO, CPO
 # --------------------------------------------------------------------------------------
