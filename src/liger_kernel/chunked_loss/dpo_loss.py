@@ -48,7 +48,7 @@ b r`` (B/2,).
 ``w = exp(mean over the counted tokens of log p(y_t) - log sum_v p_v^2)``, a constant (see
 :func:`~liger_kernel.chunked_loss.fused_linear_preference.wpo_sequence_weights`); not with
 ``aot``/``aot_unpaired`` (TRL's rule: they pair ranks, not sequences) nor ``sft`` (TRL scales its
-batch NLL by the batch's mean pair weight, a product of two batch sums the chunks cannot add).
+batch NLL by the batch's mean pair weight, a coupling the base's separate NLL term does not carry).
 
 ``ld_alpha`` (LD-DPO, TRL's; None: off) weighs the tokens of each sequence beyond the first
 ``min(n_chosen, n_rejected)`` counted ones of its pair by ``ld_alpha`` in the summed log-probs of
