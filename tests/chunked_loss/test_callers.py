@@ -98,6 +98,24 @@ def test_bad_arguments_raise():
         LigerFusedLinearDPOLoss(loss_type="nope")
     with pytest.raises(ValueError, match="exo_pair"):
         LigerFusedLinearDPOLoss(loss_type="exo_pair")
+    with pytest.raises(ValueError, match="f_divergence_type"):
+        LigerFusedLinearDPOLoss(f_divergence_type="hellinger")
+    with pytest.raises(ValueError, match="f_divergence_type"):
+        LigerFusedLinearDPOLoss(loss_type=["sigmoid", "nca_pair"], f_divergence_type="js_divergence")
+    with pytest.raises(ValueError, match="loss_weights"):
+        LigerFusedLinearDPOLoss(loss_type=["sigmoid", "sft"], loss_weights=[1.0])
+    with pytest.raises(ValueError, match="at least one"):
+        LigerFusedLinearDPOLoss(loss_type=[])
+    with pytest.raises(ValueError, match="label_smoothing"):
+        LigerFusedLinearDPOLoss(loss_type="aot", label_smoothing=0.7)
+    with pytest.raises(ValueError, match="use_weighting"):
+        LigerFusedLinearDPOLoss(loss_type=["sigmoid", "aot"], use_weighting=True)
+    with pytest.raises(ValueError, match="ld_alpha"):
+        LigerFusedLinearDPOLoss(ld_alpha=1.5)
+    with pytest.raises(ValueError, match="ld_alpha"):
+        LigerFusedLinearDPOLoss(ld_alpha=0.5, average_log_prob=True)
+    with pytest.raises(ValueError, match="use_weighting"):
+        LigerFusedLinearDPOLoss(loss_type=["sigmoid", "sft"], use_weighting=True)
     with pytest.raises(ValueError, match="use_ref_model"):
         LigerFusedLinearDPOLoss()(weight, x, target, bias)
     with pytest.raises(ValueError, match="even"):

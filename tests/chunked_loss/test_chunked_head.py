@@ -178,9 +178,11 @@ def test_bad_arguments_raise():
         chunked_head_loss(x, weight, bias, token_quantities, group_fn, (target[:, :1],))
 
 
-@pytest.mark.parametrize("n_labels, temperature", [(1, 1.0), (2, 0.7)])
-def test_target_log_probs_in_place_matches_autograd(n_labels, temperature):
-    """The closed-form in-place forward and backward against float64 autograd of the same quantities."""
+@pytest.mark.parametrize("n_labels, temperature, log_sum_sq", [(1, 1.0, False), (2, 0.7, False), (1, 1.0, True),
+                                                                (2, 0.7, True)])
+def test_target_log_probs_in_place_matches_autograd(n_labels, temperature, log_sum_sq):
+    """The closed-form in-place forward and backward against float64 autograd of the same quantities
+    (the ``log sum p^2`` column a constant)."""
     from liger_kernel.ops.chunked_head import TargetLogProbs
 
     rows, vocab = 13, 97
@@ -188,8 +190,8 @@ def test_target_log_probs_in_place_matches_autograd(n_labels, temperature):
     labels = [torch.randint(0, vocab, (rows,), device=DEVICE) for _ in range(n_labels)]
     for lab in labels:
         lab[torch.rand(rows, device=DEVICE) < 0.3] = IGNORE
-    grad_q = torch.randn(rows, n_labels + 1, device=DEVICE)
-    token_fn = TargetLogProbs(IGNORE, temperature)
+    grad_q = torch.randn(rows, n_labels + 1 + log_sum_sq, device=DEVICE)
+    token_fn = TargetLogProbs(IGNORE, temperature, log_sum_sq_probs=log_sum_sq)
     z64 = logits.double().requires_grad_()
     q64 = token_fn(z64, *labels)
     # Written out: log softmax at the temperature, and the raw row sum.
@@ -198,6 +200,9 @@ def test_target_log_probs_in_place_matches_autograd(n_labels, temperature):
         expected = logp.gather(-1, lab.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (lab != IGNORE)
         torch.testing.assert_close(q64[:, j], expected)
     torch.testing.assert_close(q64[:, -1], z64.sum(-1))
+    if log_sum_sq:
+        torch.testing.assert_close(q64[:, -2], (logp.exp() ** 2).sum(-1).log())
+        assert q64.shape[-1] == n_labels + 2
     (g64,) = torch.autograd.grad(q64, z64, grad_q.double())
     buffer = logits.clone()
     q = token_fn.forward_in_place(buffer, *labels)

@@ -1,4 +1,5 @@
-"""Preference losses (DPO and TRL's loss types, ORPO, SimPO, CPO, KTO) against float64 references.
+"""Preference losses (DPO with TRL's loss types and f-divergences, ORPO, SimPO and CPO with
+AlphaPO's reward shaping, KTO) against float64 references.
 
 The references materialise the float64 logits and follow the published formulas in TRL's form
 (per-sequence log-probs summed over the completion's counted tokens, or averaged where the
@@ -82,15 +83,34 @@ def seq_logps(tok, counted, average):
     return s / counted.sum(-1).clamp_min(1) if average else s
 
 
-def reference_dpo_losses(c, r, beta, loss_type, ls, tau, n_c, n_r):
-    """TRL's DPOTrainer per-pair losses of the chosen/rejected log-ratios."""
-    d = c - r
+def reference_scores(u, f_divergence, coef):
+    """f-DPO scores f'(t) at t = exp(u) (TRL's DPOTrainer, f-DPO paper)."""
+    t = torch.exp(u)
+    if f_divergence == "reverse_kl":
+        return u
+    if f_divergence == "forward_kl":
+        return 1 - 1 / t
+    if f_divergence == "js_divergence":
+        return torch.log(2 * t / (t + 1))
+    if f_divergence == "alpha_divergence":
+        # (t^(a-1) - 1) / (a - 1) tends to log t as a -> 1.
+        return u if coef == 1.0 else (t ** (coef - 1) - 1) / (coef - 1)
+    raise AssertionError(f_divergence)
+
+
+def reference_dpo_losses(c, r, beta, loss_type, ls, tau, n_c, n_r, f_divergence=("reverse_kl", 0.5), margins=None):
+    """TRL's DPOTrainer per-pair losses of the chosen/rejected log-ratios; ``margins`` the
+    policy's and the reference's chosen-minus-rejected log-probs (aot)."""
+    sc, sr = reference_scores(c, *f_divergence), reference_scores(r, *f_divergence)
+    d = sc - sr
     if loss_type == "sigmoid":
         return -F.logsigmoid(beta * d) * (1 - ls) - F.logsigmoid(-beta * d) * ls
     if loss_type == "hinge":
         return torch.relu(1 - beta * d)
     if loss_type == "ipo":
-        return (c / n_c.clamp(min=1.0) - r / n_r.clamp(min=1.0) - 1 / (2 * beta)) ** 2
+        return (sc / n_c.clamp(min=1.0) - sr / n_r.clamp(min=1.0) - 1 / (2 * beta)) ** 2
+    if loss_type == "sigmoid_norm":
+        return -F.logsigmoid(beta * (sc / n_c.clamp(min=1.0) - sr / n_r.clamp(min=1.0)))
     if loss_type == "exo_pair":
         qw, ql = torch.sigmoid(beta * d), torch.sigmoid(-beta * d)
         return qw * (F.logsigmoid(beta * d) - math.log(1 - ls)) + ql * (F.logsigmoid(-beta * d) - math.log(ls))
@@ -112,6 +132,11 @@ def reference_dpo_losses(c, r, beta, loss_type, ls, tau, n_c, n_r):
         logits = beta * d
         mod = torch.sigmoid(logits / tau)
         return -F.logsigmoid(logits) * (1 - mod) + torch.exp(-logits) * mod
+    if loss_type in ("aot", "aot_unpaired"):
+        # Optimal transport between the batch's two empirical distributions: match them rank by rank.
+        first, second = margins if loss_type == "aot" else (c, r)
+        gap = first.sort().values - second.sort().values
+        return -F.logsigmoid(beta * gap) * (1 - ls) - F.logsigmoid(-beta * gap) * ls
     raise AssertionError(loss_type)
 
 
@@ -133,11 +158,13 @@ def pair_metrics(logits, logps, vocab):
 # --------------------------------------------------------------------------------------
 
 
-def check(module_call, reference_loss, x, weight, bias, paired, chunk_rows, ref_head=None, at_engine_logits=False):
+def check(module_call, reference_loss, x, weight, bias, paired, chunk_rows, ref_head=None, at_engine_logits=False,
+          additive=True):
     """Run ``module_call(leaves)`` under a chunk override and compare loss, metrics and grads
-    with ``reference_loss(logits64, ref_logits64) -> (loss, metrics, q)``."""
+    with ``reference_loss(logits64, ref_logits64) -> (loss, metrics, q)`` (``additive=False``
+    for a loss that couples the pairs, which the engine runs in two passes)."""
     with override_launch_config(ChunkedHeadConfig, chunk_rows=chunk_rows):
-        plan = engine_plan(x, weight, paired, True)
+        plan = engine_plan(x, weight, paired, additive)
         leaves = leaves_of(x, weight, bias)
         loss, metrics = module_call(*leaves)
     upstream = float(torch.rand(()) + 0.5)
@@ -165,11 +192,18 @@ PAIR_SHAPES = [(6, 5, 16, 37, 20), (4, 1, 8, 29, 2), (4, 6, 16, 101, 7)]
 # --------------------------------------------------------------------------------------
 
 DPO_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
-             "apo_down", "discopop"]
-SMOOTHING = {"sigmoid": 0.1, "exo_pair": 1e-3, "robust": 0.2}
+             "apo_down", "discopop", "aot", "aot_unpaired", "sigmoid_norm", "sft"]
+SMOOTHING = {"sigmoid": 0.1, "exo_pair": 1e-3, "robust": 0.2, "aot": 0.15}
+BATCH_SORTED = {"aot", "aot_unpaired"}
 
 
-def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precomputed, alpha, nll):
+def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precomputed, alpha, nll,
+                  f_divergence=("reverse_kl", 0.5), loss_weights=None):
+    """TRL's DPO loss: ``loss_type`` one type or a list summed with ``loss_weights``; ``sft`` the
+    mean NLL of the chosen tokens."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = loss_weights or [1.0] * len(types)
+
     def loss_of_logits(logits, ref_logits):
         tok, counted = token_logps(logits, target)
         logps = seq_logps(tok, counted, average)
@@ -180,12 +214,20 @@ def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precompute
         elif use_ref:
             ref = seq_logps(*token_logps(ref_logits, target), average)
         c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
+        margins = (logps[:half] - logps[half:], ref[:half] - ref[half:])
         counts = counted.sum(-1).double()
         n_c, n_r = (torch.ones_like(c), torch.ones_like(r)) if average else (counts[:half], counts[half:])
-        loss = reference_dpo_losses(c, r, beta, loss_type, ls, tau, n_c, n_r).mean()
-        nll_loss = chosen_nll(logits, target) if nll else torch.zeros((), dtype=logits.dtype)
+        loss = torch.zeros((), dtype=logits.dtype)
+        for name, weight in zip(types, weights):
+            if name == "sft":
+                loss = loss + weight * chosen_nll(logits, target)
+            else:
+                loss = loss + weight * reference_dpo_losses(c, r, beta, name, ls, tau, n_c, n_r, f_divergence,
+                                                            margins).mean()
+        # The NLL metric is the chosen tokens' NLL whenever it enters the loss (compute_nll_loss or sft).
+        nll_loss = chosen_nll(logits, target) if nll or "sft" in types else torch.zeros((), dtype=logits.dtype)
         metrics = pair_metrics(logits, logps, logits.shape[-1]) + [nll_loss, beta * c, beta * r]
-        return loss + alpha * nll_loss, metrics, tok.unsqueeze(-1)
+        return loss + (alpha * chosen_nll(logits, target) if nll else 0.0), metrics, tok.unsqueeze(-1)
 
     return loss_of_logits
 
@@ -199,7 +241,68 @@ def test_dpo_loss_types_fp32(loss_type, n_seqs, seq_len, hidden, vocab, chunk_ro
     loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)
     check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head),
           dpo_reference(target, beta, loss_type, ls, 0.05, False, True, None, 1.0, False),
+          x, weight, bias, True, chunk_rows, ref_head, at_engine_logits=loss_type == "discopop",
+          additive=loss_type not in BATCH_SORTED)
+
+
+# (f_divergence_type, f_alpha_divergence_coef): the alpha-divergence on both sides of 1, and at
+# 1 (where TRL falls back to the log-ratio).
+F_DIVERGENCES = [("forward_kl", 0.5), ("js_divergence", 0.5), ("alpha_divergence", 0.3),
+                 ("alpha_divergence", 1.7), ("alpha_divergence", 1.0)]
+
+
+@pytest.mark.parametrize("f_divergence", F_DIVERGENCES, ids=lambda f: f"{f[0]}-{f[1]}")
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "sigmoid_norm", "exo_pair", "robust",
+                                       "discopop"])
+def test_dpo_f_divergences_fp32(f_divergence, loss_type):
+    n_seqs, seq_len, hidden, vocab, chunk_rows = PAIR_SHAPES[0]
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, torch.float32, with_bias=True)
+    ref_head = make_ref_head(x, weight, bias)
+    beta, ls = 0.7, SMOOTHING.get(loss_type, 0.0)
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls,
+                                      f_divergence_type=f_divergence[0], f_alpha_divergence_coef=f_divergence[1])
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head),
+          dpo_reference(target, beta, loss_type, ls, 0.05, False, True, None, 1.0, False, f_divergence),
           x, weight, bias, True, chunk_rows, ref_head, at_engine_logits=loss_type == "discopop")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_type", sorted(BATCH_SORTED))
+def test_dpo_aot_sorts_over_the_batch(dtype, loss_type):
+    """Many pairs whose reference margins are ordered unlike the policy's (precomputed, random), so
+    that rank matching differs from pairing each sequence with its own partner."""
+    # Chunks of two pairs, were the engine to split this loss by pairs.
+    n_seqs, seq_len, hidden, vocab, chunk_rows = 16, 3, 8, 23, 13
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=False)
+    half = n_seqs // 2
+    ref_logps = (torch.randn(half, device=DEVICE) * 2 - 6, torch.randn(half, device=DEVICE) * 2 - 6)
+    beta, ls = 0.5, 0.05
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, ref_chosen_logps=ref_logps[0], ref_rejected_logps=ref_logps[1]),
+          dpo_reference(target, beta, loss_type, ls, 0.05, False, True, ref_logps, 1.0, False),
+          x, weight, bias, True, chunk_rows, additive=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES)
+@pytest.mark.parametrize("options", [
+    dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 0.6]),
+    dict(loss_type=["aot", "sft"], label_smoothing=0.1, compute_nll_loss=True, alpha=0.5),
+    dict(loss_type="aot_unpaired", average_log_prob=True),
+    dict(loss_type=["sigmoid_norm", "ipo"], f_divergence_type="js_divergence", loss_weights=[1.5, 0.5]),
+], ids=["mpo", "aot_sft_nll", "aot_unpaired_avg", "js_sigmoid_norm_ipo"])
+def test_dpo_loss_combinations(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, options):
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=True)
+    ref_head = make_ref_head(x, weight, bias)
+    beta = 0.4
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, **options)
+    types = options["loss_type"]
+    reference = dpo_reference(target, beta, types, options.get("label_smoothing", 0.0), 0.05,
+                              options.get("average_log_prob", False), True, None, options.get("alpha", 1.0),
+                              options.get("compute_nll_loss", False),
+                              (options.get("f_divergence_type", "reverse_kl"), 0.5), options.get("loss_weights"))
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head), reference, x, weight, bias, True, chunk_rows,
+          ref_head, additive=not BATCH_SORTED & set([types] if isinstance(types, str) else types))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -238,6 +341,86 @@ def test_dpo_options(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, options)
           at_engine_logits=options["loss_type"] == "discopop")
 
 
+def wpo_reference(target, beta, loss_type, loss_weights, average):
+    """TRL's DPO with ``use_weighting``: each pair's loss times ``w_c w_r``, ``w`` the exp of the
+    mean over the counted tokens of ``log p(y_t) - log sum_v p_v^2``, held constant (WPO, Eq. 2)."""
+    inner = dpo_reference(target, beta, loss_type, 0.0, 0.05, average, True, None, 1.0, False,
+                          loss_weights=loss_weights)
+    types = [loss_type] if isinstance(loss_type, str) else loss_type
+
+    def loss_of_logits(logits, ref_logits):
+        _, metrics, q = inner(logits, ref_logits)
+        tok, counted = token_logps(logits, target)
+        log_sum_sq = torch.logsumexp(2 * logits.log_softmax(-1), -1)
+        weights = torch.exp(((tok - log_sum_sq) * counted).sum(-1) / counted.sum(-1).clamp_min(1)).detach()
+        half = target.shape[0] // 2
+        logps = seq_logps(tok, counted, average)
+        ref = seq_logps(*token_logps(ref_logits, target), average)
+        c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
+        counts = counted.sum(-1).double()
+        n_c, n_r = (torch.ones_like(c), torch.ones_like(r)) if average else (counts[:half], counts[half:])
+        per_pair = sum(w * reference_dpo_losses(c, r, beta, name, 0.0, 0.05, n_c, n_r)
+                       for name, w in zip(types, loss_weights or [1.0] * len(types)))
+        return (per_pair * weights[:half] * weights[half:]).mean(), metrics, q
+
+    return loss_of_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES)
+@pytest.mark.parametrize("loss_type, loss_weights, average", [("sigmoid", None, False), ("ipo", None, True),
+                                                              (["bco_pair", "hinge"], [0.7, 1.3], False)])
+def test_dpo_wpo_weighting(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, loss_type, loss_weights, average):
+    # A sharper head (scale 4) so that the weights spread over a range instead of sitting near 1/V.
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=True, scale=4.0)
+    ref_head = make_ref_head(x, weight, bias)
+    beta = 0.3
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, loss_weights=loss_weights, use_weighting=True,
+                                      average_log_prob=average)
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head),
+          wpo_reference(target, beta, loss_type, loss_weights, average), x, weight, bias, True, chunk_rows, ref_head)
+
+
+def ld_dpo_reference(target, beta, loss_type, ld_alpha):
+    """TRL's DPO with ``ld_alpha`` (LD-DPO): in both heads' summed log-probs, the tokens of a
+    sequence past the completion length its pair shares (the shorter one's) weigh ``ld_alpha``."""
+
+    def weighted_logps(logits):
+        tok, counted = token_logps(logits, target)
+        position = counted.long().cumsum(-1)
+        lengths = counted.sum(-1)
+        half = target.shape[0] // 2
+        shared = torch.minimum(lengths[:half], lengths[half:])
+        shared = torch.cat([shared, shared])[:, None]
+        in_shared = (position > 0) & (position <= shared)
+        return (tok * in_shared).sum(-1) + ld_alpha * (tok * (position > shared)).sum(-1), tok, counted
+
+    def loss_of_logits(logits, ref_logits):
+        logps, tok, counted = weighted_logps(logits)
+        ref = weighted_logps(ref_logits)[0]
+        half = target.shape[0] // 2
+        c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
+        counts = counted.sum(-1).double()
+        loss = reference_dpo_losses(c, r, beta, loss_type, 0.0, 0.05, counts[:half], counts[half:]).mean()
+        metrics = pair_metrics(logits, logps, logits.shape[-1]) + [torch.zeros((), dtype=logits.dtype), beta * c,
+                                                                   beta * r]
+        return loss, metrics, tok.unsqueeze(-1)
+
+    return loss_of_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES)
+@pytest.mark.parametrize("loss_type, ld_alpha", [("sigmoid", 0.3), ("ipo", 0.0), ("bco_pair", 0.75)])
+def test_dpo_ld_alpha(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, loss_type, ld_alpha):
+    x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=True)
+    ref_head = make_ref_head(x, weight, bias)
+    beta = 0.3
+    loss_fn = LigerFusedLinearDPOLoss(beta=beta, loss_type=loss_type, ld_alpha=ld_alpha)
+    check(lambda xi, w, b: loss_fn(w, xi, target, b, *ref_head), ld_dpo_reference(target, beta, loss_type, ld_alpha),
+          x, weight, bias, True, chunk_rows, ref_head)
+
+
 # --------------------------------------------------------------------------------------
 # ORPO, SimPO, CPO
 # --------------------------------------------------------------------------------------
@@ -274,23 +457,30 @@ def test_orpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, with_nll_target
           chunk_rows)
 
 
+def reference_alphapo_reward(logps, a):
+    """AlphaPO's reward r = (1 - p^(-a)) / a of a sequence probability p = exp(logps); log p at a = 0."""
+    return logps if a == 0 else (1 - torch.exp(logps) ** (-a)) / a
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_seqs, seq_len, hidden, vocab, chunk_rows", PAIR_SHAPES[::2])
-@pytest.mark.parametrize("label_smoothing, compute_nll_loss", [(0.0, True), (0.15, False)])
-def test_simpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, label_smoothing, compute_nll_loss):
+@pytest.mark.parametrize("label_smoothing, compute_nll_loss, alphapo_alpha", [(0.0, True, 0.0), (0.15, False, 0.0),
+                                                                             (0.0, False, 0.6), (0.1, True, -0.4)])
+def test_simpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, label_smoothing, compute_nll_loss, alphapo_alpha):
     x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=True)
     beta, gamma, alpha = 2.0, 0.7, 0.6
     loss_fn = LigerFusedLinearSimPOLoss(beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing,
-                                        compute_nll_loss=compute_nll_loss)
+                                        compute_nll_loss=compute_nll_loss, alphapo_alpha=alphapo_alpha)
 
     def reference(logits, _):
         tok, counted = token_logps(logits, target)
         logps = seq_logps(tok, counted, True)
         half = n_seqs // 2
-        h = beta * (logps[:half] - logps[half:]) - gamma
+        rewards = reference_alphapo_reward(logps, alphapo_alpha)
+        h = beta * (rewards[:half] - rewards[half:]) - gamma
         loss = (-F.logsigmoid(h) * (1 - label_smoothing) - F.logsigmoid(-h) * label_smoothing).mean()
         nll = chosen_nll(logits, target) if compute_nll_loss else torch.zeros((), dtype=logits.dtype)
-        metrics = pair_metrics(logits, logps, vocab) + [nll, beta * logps[:half], beta * logps[half:]]
+        metrics = pair_metrics(logits, logps, vocab) + [nll, beta * rewards[:half], beta * rewards[half:]]
         return loss + alpha * nll, metrics, tok.unsqueeze(-1)
 
     check(lambda xi, w, b: loss_fn(w, xi, target, b), reference, x, weight, bias, True, chunk_rows)
@@ -298,18 +488,21 @@ def test_simpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, label_smoothin
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "simpo"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpo(loss_type, dtype):
+@pytest.mark.parametrize("alphapo_alpha, average_log_prob", [(0.0, False), (0.25, True), (-0.15, False)])
+def test_cpo(loss_type, dtype, alphapo_alpha, average_log_prob):
     n_seqs, seq_len, hidden, vocab, chunk_rows = PAIR_SHAPES[0]
     x, weight, bias, target = make_batch(n_seqs, seq_len, hidden, vocab, dtype, with_bias=False)
     beta, alpha, ls, gamma = 0.1, 0.8, 0.1, 0.4
     loss_fn = LigerFusedLinearCPOLoss(beta=beta, alpha=alpha, label_smoothing=ls, loss_type=loss_type,
-                                      simpo_gamma=gamma)
+                                      simpo_gamma=gamma, alphapo_alpha=alphapo_alpha,
+                                      average_log_prob=average_log_prob)
 
     def reference(logits, _):
         tok, counted = token_logps(logits, target)
-        logps = seq_logps(tok, counted, False)
+        logps = seq_logps(tok, counted, average_log_prob)
         half = n_seqs // 2
-        d = logps[:half] - logps[half:]
+        rewards = reference_alphapo_reward(logps, alphapo_alpha)
+        d = rewards[:half] - rewards[half:]
         if loss_type == "simpo":
             d = d - gamma / beta
         if loss_type in ("sigmoid", "simpo"):
@@ -319,7 +512,7 @@ def test_cpo(loss_type, dtype):
         else:
             losses = (d - 1 / (2 * beta)) ** 2
         nll = chosen_nll(logits, target)
-        metrics = pair_metrics(logits, logps, vocab) + [nll, beta * logps[:half], beta * logps[half:]]
+        metrics = pair_metrics(logits, logps, vocab) + [nll, beta * rewards[:half], beta * rewards[half:]]
         return losses.mean() + alpha * nll, metrics, tok.unsqueeze(-1)
 
     check(lambda xi, w, b: loss_fn(w, xi, target, b), reference, x, weight, bias, True, chunk_rows)

@@ -2,16 +2,21 @@
 
 Reference-free DPO on per-sequence log-probs ``c``, ``r`` (sums by default, means with
 ``average_log_prob``), plus ``alpha * nll`` on the chosen tokens (when ``compute_nll_loss``).
-With ``d = c - r`` and TRL's CPO loss types::
+With ``d = R(c) - R(r)`` and TRL's CPO loss types::
 
     sigmoid   -(1 - ls) log s(b d) - ls log s(-b d)
     hinge     relu(1 - b d)
     ipo       (d - 1 / (2 b))^2
     simpo     sigmoid with d replaced by d - gamma / b   (gamma = simpo_gamma)
 
-averaged over the pairs. Extra metrics: ``chosen_rewards = b c``, ``rejected_rewards = b r``.
-TRL's AlphaPO reward transform (its CPO ``alpha``) is not implemented; ``alpha`` here weighs the
-NLL term, as in the best-known implementation of this API.
+averaged over the pairs. ``R`` is the identity unless ``alphapo_alpha`` (``a``) is non-zero:
+AlphaPO's reward shaping, TRL's CPO ``alpha`` (renamed here because ``alpha`` weighs the NLL
+term, TRL's ``cpo_alpha``, as in the best-known implementation of this API)::
+
+    R(l) = (1 - p^(-a)) / a = -expm1(-a l) / a,   p = e^l        (-> l as a -> 0)
+
+TRL's ``loss_type="alphapo"`` is ``simpo`` with ``average_log_prob=True``, ``alpha=0`` and
+this shaping. Extra metrics: ``chosen_rewards = b R(c)``, ``rejected_rewards = b R(r)``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from liger_kernel.chunked_loss.fused_linear_preference import (
     FusedLinearPreferenceModule,
     LigerFusedLinearPreferenceBase,
 )
-from liger_kernel.chunked_loss.simpo_loss import smoothed_logistic_loss
+from liger_kernel.chunked_loss.simpo_loss import alphapo_rewards, smoothed_logistic_loss
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
@@ -35,8 +40,10 @@ def check_cpo_loss_type(loss_type: str) -> None:
 class LigerFusedLinearCPOFunction(LigerFusedLinearPreferenceBase):
     @staticmethod
     def preference_loss_fn(chosen_logps, rejected_logps, full_target, beta=0.1, label_smoothing=0.0,
-                           loss_type="sigmoid", simpo_gamma=0.5):
-        d = chosen_logps - rejected_logps
+                           loss_type="sigmoid", simpo_gamma=0.5, alphapo_alpha=0.0):
+        chosen_rewards = alphapo_rewards(chosen_logps, alphapo_alpha)
+        rejected_rewards = alphapo_rewards(rejected_logps, alphapo_alpha)
+        d = chosen_rewards - rejected_rewards
         if loss_type == "sigmoid":
             losses = smoothed_logistic_loss(beta * d, label_smoothing)
         elif loss_type == "simpo":
@@ -47,12 +54,12 @@ class LigerFusedLinearCPOFunction(LigerFusedLinearPreferenceBase):
             losses = (d - 1 / (2 * beta)) ** 2
         else:
             check_cpo_loss_type(loss_type)
-        return losses.sum() / (full_target.shape[0] // 2), beta * chosen_logps, beta * rejected_logps
+        return losses.sum() / (full_target.shape[0] // 2), beta * chosen_rewards, beta * rejected_rewards
 
     @classmethod
     def forward(cls, ctx, _input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0,
                 label_smoothing=0.0, compute_nll_loss=True, compiled=True, average_log_prob=False, chunk_size=1,
-                loss_type="sigmoid", simpo_gamma=0.5):
+                loss_type="sigmoid", simpo_gamma=0.5, alphapo_alpha=0.0):
         """Returns ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
         chosen_rewards, rejected_rewards))``."""
         check_cpo_loss_type(loss_type)
@@ -60,12 +67,12 @@ class LigerFusedLinearCPOFunction(LigerFusedLinearPreferenceBase):
                                ignore_index=ignore_index, alpha=alpha, beta=beta, label_smoothing=label_smoothing,
                                compute_nll_loss=compute_nll_loss, average_log_prob=average_log_prob,
                                compiled=compiled, chunk_size=chunk_size, loss_type=loss_type,
-                               simpo_gamma=simpo_gamma)
+                               simpo_gamma=simpo_gamma, alphapo_alpha=alphapo_alpha)
 
     @staticmethod
     def backward(ctx, *grad_output):
         grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
-        return *grads, *(None,) * 10
+        return *grads, *(None,) * 11
 
 
 class LigerFusedLinearCPOLoss(FusedLinearPreferenceModule):
@@ -75,8 +82,10 @@ class LigerFusedLinearCPOLoss(FusedLinearPreferenceModule):
 
     def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
                  compute_nll_loss: bool = True, compiled: bool = True, average_log_prob: bool = False,
-                 chunk_size: int = 1, loss_type: str = "sigmoid", simpo_gamma: float = 0.5):
+                 chunk_size: int = 1, loss_type: str = "sigmoid", simpo_gamma: float = 0.5,
+                 alphapo_alpha: float = 0.0):
         check_cpo_loss_type(loss_type)
         super().__init__(ignore_index=ignore_index, beta=beta, alpha=alpha, label_smoothing=label_smoothing,
                          compute_nll_loss=compute_nll_loss, compiled=compiled, average_log_prob=average_log_prob,
-                         chunk_size=chunk_size, loss_type=loss_type, simpo_gamma=simpo_gamma)
+                         chunk_size=chunk_size, loss_type=loss_type, simpo_gamma=simpo_gamma,
+                         alphapo_alpha=alphapo_alpha)

@@ -68,6 +68,18 @@ def sequence_log_probs(token_logps: torch.Tensor, counted: torch.Tensor, average
     return total
 
 
+def wpo_sequence_weights(token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor,
+                         counted: torch.Tensor) -> torch.Tensor:
+    """WPO's per-sequence weights (G,) of (G, T) token log-probs and ``log sum_v p_v^2``, a constant::
+
+        w_s = exp( sum_{t in M_s} (log p(y_t) - log sum_v p_{t,v}^2) / max(|M_s|, 1) )
+
+    (the geometric mean over the counted tokens of the target's probability relative to the
+    distribution's own expected probability; 1 for a sequence with no counted token)."""
+    aligned = (token_logps.detach() - log_sum_sq_probs) * counted
+    return torch.exp(aligned.sum(-1) / counted.sum(-1).clamp_min(1))
+
+
 def reference_head(use_ref_model: bool, ref_input, ref_weight, ref_bias):
     """``(ref_input, ref_weight, ref_bias)`` when a reference head is to be run, else None."""
     if use_ref_model and ref_weight is not None and ref_input is not None:
@@ -75,28 +87,46 @@ def reference_head(use_ref_model: bool, ref_input, ref_weight, ref_bias):
     return None
 
 
+def length_desensitized_token_weights(counted: torch.Tensor, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's token weights (G, T) of a paired (chosen then rejected) counted mask: 1 on each
+    sequence's first ``min(n_chosen, n_rejected)`` counted tokens (the length the pair shares),
+    ``ld_alpha`` on the counted tokens after them, 0 on ignored ones."""
+    half = counted.shape[0] // 2
+    lengths = counted.sum(-1)
+    shared = torch.minimum(lengths[:half], lengths[half:]).repeat(2)
+    beyond = counted.cumsum(-1) > shared[:, None]
+    return torch.where(beyond, ld_alpha, 1.0) * counted
+
+
 def policy_and_reference_log_probs(q: torch.Tensor, q_ref: torch.Tensor | None, counted: torch.Tensor,
-                                   precomputed: tuple, average: bool):
+                                   precomputed: tuple, average: bool, token_weights: torch.Tensor | None = None):
     """Per-sequence log-probs (G,) of a group's policy head, and of its reference: the reference
-    head's (``q_ref``), else the precomputed ones (``precomputed[0]``), else None."""
-    logps = sequence_log_probs(q[..., 0], counted, average)
+    head's (``q_ref``), else the precomputed ones (``precomputed[0]``), else None. With
+    ``token_weights`` (G, T) each token's log-prob is weighed (LD-DPO) before the sum."""
+    def token_logps(quantities):
+        return quantities[..., 0] if token_weights is None else quantities[..., 0] * token_weights
+
+    logps = sequence_log_probs(token_logps(q), counted, average)
     if q_ref is not None:
-        return logps, sequence_log_probs(q_ref[..., 0], counted, average)
+        return logps, sequence_log_probs(token_logps(q_ref), counted, average)
     return logps, (precomputed[0] if precomputed else None)
 
 
 def preference_head_forward(ctx, bias_position: int, _input, weight, bias, ignore_index: int, group_fn,
-                            token_args: list, group_args: list, ref_head, paired: bool):
-    """Loss and metrics of ``group_fn`` over the chunked head ``TargetLogProbs(ignore_index)``,
-    keeping the gradients of ``_input``, ``weight`` and ``bias`` (forward input
-    ``bias_position``) that the Function's inputs need for :func:`preference_head_backward`."""
+                            token_args: list, group_args: list, ref_head, paired: bool, additive: bool = True,
+                            log_sum_sq_probs: bool = False):
+    """Loss and metrics of ``group_fn`` over the chunked head ``TargetLogProbs(ignore_index,
+    log_sum_sq_probs=log_sum_sq_probs)``, keeping the gradients of ``_input``, ``weight`` and
+    ``bias`` (forward input ``bias_position``) that the Function's inputs need for
+    :func:`preference_head_backward`. ``additive=False`` for a loss that couples the batch's
+    pairs (the engine's two passes)."""
     needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
              bias is not None and bool(ctx.needs_input_grad[bias_position]))
     ref_input, ref_weight, ref_bias = ref_head or (None, None, None)
     loss, metrics, grads = chunked_head_loss_and_grads(
-        _input, weight, bias, TargetLogProbs(ignore_index), group_fn, token_args=token_args,
+        _input, weight, bias, TargetLogProbs(ignore_index, log_sum_sq_probs=log_sum_sq_probs), group_fn, token_args=token_args,
         group_args=group_args, ref_x=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, paired=paired,
-        additive=True, needs=needs)
+        additive=additive, needs=needs)
     save_head_grads(ctx, grads)
     return loss, metrics
 
@@ -117,7 +147,12 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     grad_output)[:4]`` (grads of ``_input``, ``weight``, ``target`` (None) and ``bias``) followed by
     one None per further argument. A subclass whose preference loss wants each sequence's number
     of counted tokens (as ``chosen_token_counts``, ``rejected_token_counts``, passed when the
-    log-probs are sums, not means) sets ``token_counts_to_loss_fn = True``.
+    log-probs are sums, not means) sets ``token_counts_to_loss_fn = True``. A loss that is not a
+    sum over pairs (one that sorts over the batch) passes ``couples_pairs=True`` to ``forward``:
+    ``preference_loss_fn`` then sees the whole batch at once. ``wpo_weighting=True`` hands it WPO's
+    pair weights ``pair_weights`` (B/2,) (see :func:`wpo_sequence_weights`). ``ld_alpha`` (not
+    None) weighs each pair's tokens beyond its shared length by ``ld_alpha`` in both heads'
+    log-probs (LD-DPO, :func:`length_desensitized_token_weights`).
     """
 
     token_counts_to_loss_fn = False
@@ -131,7 +166,8 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
     def forward(cls, ctx, _input, weight, target, bias=None, chunk_size=1, ignore_index=-100, alpha=1.0, beta=0.1,
                 compute_nll_loss=True, nll_target=None, compiled=True, use_ref_model=False, ref_input=None,
                 ref_weight=None, ref_bias=None, average_log_prob=True, ref_chosen_logps=None,
-                ref_rejected_logps=None, **loss_kwargs):
+                ref_rejected_logps=None, couples_pairs=False, wpo_weighting=False, ld_alpha=None,
+                **loss_kwargs):
         """Loss and metrics of the module docstring.
 
         ``_input`` (B, T, D), ``weight`` (V, D), ``target`` (B, T), ``bias`` (V,) or None,
@@ -174,16 +210,21 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
 
         def group_fn(q, q_ref, counted, *precomputed):
             half = q.shape[0] // 2
-            logps, ref_logps = policy_and_reference_log_probs(q, q_ref, counted, precomputed, average_log_prob)
+            token_weights = None if ld_alpha is None else length_desensitized_token_weights(counted, ld_alpha)
+            logps, ref_logps = policy_and_reference_log_probs(q, q_ref, counted, precomputed, average_log_prob,
+                                                              token_weights)
             kwargs = dict(loss_kwargs)
             if ref_logps is not None:
                 kwargs.update(ref_chosen_logps=ref_logps[:half], ref_rejected_logps=ref_logps[half:])
             if wants_counts:
                 counts = counted.sum(-1).float()
                 kwargs.update(chosen_token_counts=counts[:half], rejected_token_counts=counts[half:])
+            if wpo_weighting:
+                weights = wpo_sequence_weights(q[..., 0], q[..., -2], counted)
+                kwargs.update(pair_weights=weights[:half] * weights[half:])
             outputs = loss_fn(logps[:half], logps[half:], target, beta=beta, **kwargs)
             preference_loss, *extra = outputs if isinstance(outputs, tuple) else (outputs,)
-            # Columns of TargetLogProbs: log p(target), [log p(nll_target)], row sum of the logits.
+            # Columns of TargetLogProbs: log p(target), [log p(nll_target)], [log sum p^2], row sum of the logits.
             nll_column = 0 if nll_target is None else 1
             nll = -q[:half, :, nll_column].sum() / chosen_nll_count if compute_nll_loss else q.new_zeros(())
             loss = preference_loss + alpha * nll
@@ -194,7 +235,8 @@ class LigerFusedLinearPreferenceBase(torch.autograd.Function):
 
         token_args = [target] if nll_target is None else [target, nll_target]
         return preference_head_forward(ctx, 3, _input, weight, bias, ignore_index, group_fn, token_args,
-                                       group_args, ref_head, paired=True)
+                                       group_args, ref_head, paired=True, additive=not couples_pairs,
+                                       log_sum_sq_probs=wpo_weighting)
 
     @staticmethod
     @once_differentiable

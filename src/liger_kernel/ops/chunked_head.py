@@ -421,17 +421,20 @@ class TargetLogProbs:
 
         dL/dz = (-(sum_j c_j) softmax(s) + sum_j c_j onehot(l_j)) / tau + c_J
 
-    (ignored labels contribute nothing). :meth:`forward_in_place` computes ``q`` and leaves
+    (ignored labels contribute nothing). With ``log_sum_sq_probs`` a column before the row sum
+    holds ``log sum_v softmax(s)_v^2`` (WPO's weights), a constant: no gradient flows through it.
+    :meth:`forward_in_place` computes ``q`` and leaves
     ``softmax(z)`` in the logits' buffer, :meth:`grad_in_place` then turns it into ``dL/dz``:
     a chunk needs no buffer beyond its float32 logits (the engine takes this path whenever a
     ``token_fn`` has both methods). Calling the object computes ``q`` out of place, differentiably.
     """
 
-    def __init__(self, ignore_index: int, temperature: float = 1.0):
+    def __init__(self, ignore_index: int, temperature: float = 1.0, log_sum_sq_probs: bool = False):
         if not temperature > 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.ignore_index = ignore_index
         self.temperature = float(temperature)
+        self.log_sum_sq_probs = log_sum_sq_probs
 
     def _labels(self, labels):
         for lab in labels:
@@ -442,6 +445,8 @@ class TargetLogProbs:
         scaled = logits / self.temperature if self.temperature != 1.0 else logits
         lse = torch.logsumexp(scaled, dim=-1)
         columns = [(scaled.gather(-1, index).squeeze(-1) - lse) * counted for counted, index in self._labels(labels)]
+        if self.log_sum_sq_probs:
+            columns.append((torch.logsumexp(2 * scaled, dim=-1) - 2 * lse).detach())
         return torch.stack([*columns, logits.sum(-1)], dim=-1)
 
     def forward_in_place(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
@@ -454,10 +459,15 @@ class TargetLogProbs:
         exp_sum = logits.sub_(row_max).exp_().sum(-1, keepdim=True)
         logits.div_(exp_sum)
         lse = (row_max + exp_sum.log()).squeeze(-1)
-        return torch.stack([*((z - lse) * counted for z, counted in picked), row_sum], dim=-1)
+        columns = [(z - lse) * counted for z, counted in picked]
+        if self.log_sum_sq_probs:
+            # The norm is one reduction over the probabilities, no (R, V) temporary.
+            columns.append(2 * torch.linalg.vector_norm(logits, dim=-1).log())
+        return torch.stack([*columns, row_sum], dim=-1)
 
     def grad_in_place(self, probs: torch.Tensor, grad_q: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        """``dL/dz`` written over ``probs`` (the softmax :meth:`forward_in_place` left) for ``grad_q`` (R, J + 1)."""
+        """``dL/dz`` written over ``probs`` (the softmax :meth:`forward_in_place` left) for ``grad_q``
+        (R, J + 1), or (R, J + 2) with ``log_sum_sq_probs`` (its column's entry is not used)."""
         grad_q = grad_q.to(probs.dtype)
         coefficients = [(grad_q[:, j] * counted, index) for j, (counted, index) in enumerate(self._labels(labels))]
         total = sum((c for c, _ in coefficients), torch.zeros_like(grad_q[:, 0]))
