@@ -78,7 +78,7 @@ def _model(seed: int, **overrides):
 
 
 def _trainer_module_calls(module_name: str, loss_cls: type) -> None:
-    """Skip unless ``trl.trainer.<module_name>`` imported ``loss_cls`` from this package (it calls it then)."""
+    """Skip unless ``trl.trainer.<module_name>`` imported our ``loss_cls`` (then it calls it)."""
     try:
         module = importlib.import_module(f"trl.trainer.{module_name}")
     except ImportError as exc:
@@ -90,9 +90,9 @@ def _trainer_module_calls(module_name: str, loss_cls: type) -> None:
 
 def _common_args(tmp_path, liger: bool, seed: int) -> dict:
     return dict(
-        output_dir=str(tmp_path / ("liger" if liger else "trl")), use_liger_kernel=liger, seed=seed, data_seed=seed,
-        max_steps=STEPS, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
-        report_to="none", save_strategy="no", bf16=False, gradient_checkpointing=False,
+        output_dir=str(tmp_path / ("liger" if liger else "trl")), use_liger_kernel=liger, seed=seed,
+        data_seed=seed, max_steps=STEPS, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
+        logging_steps=1, report_to="none", save_strategy="no", bf16=False, gradient_checkpointing=False,
         use_cpu=DEVICE == "cpu", dataloader_num_workers=0, disable_tqdm=True,
     )
 
@@ -131,13 +131,14 @@ def _assert_same_training(plain, fused, keys):
     assert seen == keys.keys(), f"never logged: {sorted(keys.keys() - seen)}"
     assert plain_params.keys() == fused_params.keys() == initial.keys()
     for name, value in plain_params.items():
-        assert torch.equal(fused_initial[name], initial[name]), f"{name}: the runs started from different weights"
+        assert torch.equal(fused_initial[name], initial[name]), f"{name}: the runs started apart"
         assert not torch.equal(value, initial[name]), f"{name} did not train"
         torch.testing.assert_close(fused_params[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+_PROMPTS = ["the cat", "what color is the sky", "hello", "the dog"]
 _PAIRS = dict(
-    prompt=["the cat", "what color is the sky", "hello", "the dog"],
+    prompt=_PROMPTS,
     chosen=[" sat on the mat", " blue", " world", " ran fast"],
     rejected=[" ran on a red mat", " green grass", " no", " is bad"],
 )
@@ -168,19 +169,20 @@ def test_kto_trainer(tmp_path, _fresh_seed):
     _trainer_module_calls("kto_trainer", LigerFusedLinearKTOLoss)
     tok = _tokenizer()
     data = Dataset.from_dict(dict(
-        prompt=["the cat", "what color is the sky", "hello", "the dog", "the cat", "hello"],
+        prompt=_PROMPTS + ["the cat", "hello"],
         completion=[" sat on the mat", " blue", " world", " ran", " is bad", " no"],
         label=[True, True, False, True, False, False],
     ))
 
     def run(liger):
-        args = trl.KTOConfig(per_device_train_batch_size=3, beta=0.5, **_common_args(tmp_path, liger, _fresh_seed))
+        args = trl.KTOConfig(per_device_train_batch_size=3, beta=0.5,
+                             **_common_args(tmp_path, liger, _fresh_seed))
         trainer = trl.KTOTrainer(model=_model(_fresh_seed), ref_model=_model(_fresh_seed + 1), args=args,
                                  train_dataset=data, processing_class=tok)
         return _train(trainer, liger, LigerFusedLinearKTOLoss)
 
-    keys = ["loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-            "logps/rejected"]
+    keys = ["loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins",
+            "logps/chosen", "logps/rejected"]
     _assert_same_training(run(False), run(True), keys)
 
 
@@ -201,14 +203,15 @@ def test_grpo_trainer(tmp_path, _fresh_seed, loss_type, level, clip_key):
     reference (from the saved model: TRL builds it from the model's path) for the KL term. The rewards
     must agree too: they show both runs sampled the same completions."""
     _trainer_module_calls("grpo_trainer", LigerFusedLinearGRPOLoss)
-    tok, data = _tokenizer(), Dataset.from_dict({"prompt": ["the cat", "what color is the sky", "hello", "the dog"]})
+    tok, data = _tokenizer(), Dataset.from_dict({"prompt": _PROMPTS})
     path = tmp_path / "model"
     _model(_fresh_seed).to("cpu").save_pretrained(path)
     tok.save_pretrained(path)
 
     def run(liger):
         args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
-                              num_iterations=2, beta=0.1, loss_type=loss_type, importance_sampling_level=level,
+                              num_iterations=2, beta=0.1, loss_type=loss_type,
+                              importance_sampling_level=level,
                               **_common_args(tmp_path, liger, _fresh_seed))
         trainer = trl.GRPOTrainer(model=str(path), reward_funcs=_reward, args=args, train_dataset=data,
                                   processing_class=tok)
@@ -225,7 +228,7 @@ def test_distillation_trainer(tmp_path, _fresh_seed, beta):
     """On-policy distillation with the generalised JSD (``beta`` 0: forward KL, 1: reverse KL), from a
     teacher with larger weights so the divergence is far from 0."""
     _trainer_module_calls("distillation_trainer", LigerFusedLinearJSDLoss)
-    tok, data = _tokenizer(), Dataset.from_dict({"prompt": ["the cat", "what color is the sky", "hello", "the dog"]})
+    tok, data = _tokenizer(), Dataset.from_dict({"prompt": _PROMPTS})
 
     def run(liger):
         args = trl.DistillationConfig(per_device_train_batch_size=2, max_completion_length=5, beta=beta,
@@ -236,3 +239,14 @@ def test_distillation_trainer(tmp_path, _fresh_seed, beta):
         return _train(trainer, liger, LigerFusedLinearJSDLoss)
 
     _assert_same_training(run(False), run(True), ["loss", "grad_norm"])
+
+
+def test_dpo_trainer_exo_pair_is_refused_clearly(tmp_path, _fresh_seed):
+    """TRL requires ``label_smoothing > 0`` for ``exo_pair`` but does not pass it to the fused loss, whose
+    constructor then refuses the loss type by name instead of training a different loss."""
+    _trainer_module_calls("dpo_trainer", LigerFusedLinearDPOLoss)
+    args = trl.DPOConfig(per_device_train_batch_size=2, loss_type=["exo_pair"], label_smoothing=1e-3,
+                         **_common_args(tmp_path, True, _fresh_seed))
+    with pytest.raises(ValueError, match="exo_pair.*label_smoothing"):
+        trl.DPOTrainer(model=_model(_fresh_seed), ref_model=_model(_fresh_seed + 1), args=args,
+                       train_dataset=Dataset.from_dict(_PAIRS), processing_class=_tokenizer())
