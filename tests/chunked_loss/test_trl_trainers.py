@@ -3,8 +3,8 @@
 TRL 1.0 - 1.12 import this package's fused losses into their trainer modules and call them
 when ``use_liger_kernel=True``: ``DPOTrainer`` -> :class:`LigerFusedLinearDPOLoss`,
 ``KTOTrainer`` -> :class:`LigerFusedLinearKTOLoss`, ``GRPOTrainer`` ->
-:class:`LigerFusedLinearGRPOLoss`, ``DistillationTrainer`` -> :class:`LigerFusedLinearJSDLoss`.
-TRL 1.13 and later no longer call them. A trainer whose module does not hold our class
+:class:`LigerFusedLinearGRPOLoss`, ``DistillationTrainer`` and the experimental ``GKDTrainer`` ->
+:class:`LigerFusedLinearJSDLoss`. TRL 1.13 and later no longer call them. A trainer whose module does not hold our class
 (TRL missing, a TRL that does not call it, or a TRL that judged liger unavailable) is skipped
 with that reason; the detection is the module attribute itself, so no version list is kept.
 
@@ -61,31 +61,35 @@ STEPS = 2
 
 _SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2 = tiny_config's pad, bos, eos
 _WORDS = ("the a cat dog sat ran on mat big red blue is was good bad yes no hello world what color sky grass "
-          "green answer question tree sun moon fast slow up down").split()
+          "green answer question tree sun moon fast slow up down user assistant").split()
+# One turn per role, each closed by the eos token, for the trainers that read conversations.
+_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                  "{% if add_generation_prompt %}assistant {% endif %}")
 _VOCAB = _SPECIALS + _WORDS + [f"w{i}" for i in range(96 - len(_SPECIALS) - len(_WORDS))]
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over ``_VOCAB`` (96 ids), built offline."""
+    """A whitespace word-level tokenizer over ``_VOCAB`` (96 ids) with a chat template, built offline."""
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(_VOCAB)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+                                   unk_token="<unk>", chat_template=_CHAT_TEMPLATE)
 
 
 def _model(seed: int, **overrides):
     return build_model("llama", seed=seed, vocab=len(_VOCAB), **overrides)
 
 
-def _trainer_module_calls(module_name: str, loss_cls: type) -> None:
-    """Skip unless ``trl.trainer.<module_name>`` imported our ``loss_cls`` (then it calls it)."""
+def _trainer_module_calls(module_name: str, loss_cls: type):
+    """Skip unless ``trl.<module_name>`` imported our ``loss_cls`` (then it calls it); return the module."""
     try:
-        module = importlib.import_module(f"trl.trainer.{module_name}")
+        module = importlib.import_module(f"trl.{module_name}")
     except ImportError as exc:
-        pytest.skip(f"trl {trl.__version__}: trl.trainer.{module_name} does not import ({exc})")
+        pytest.skip(f"trl {trl.__version__}: trl.{module_name} does not import ({exc})")
     if getattr(module, loss_cls.__name__, None) is not loss_cls:
         pytest.skip(f"trl {trl.__version__} does not call liger_kernel.chunked_loss.{loss_cls.__name__} "
                     "(TRL >= 1.13 dropped the fused losses; 1.0 - 1.12 call them)")
+    return module
 
 
 def _common_args(tmp_path, liger: bool, seed: int) -> dict:
@@ -148,7 +152,7 @@ _PAIRS = dict(
 def test_dpo_trainer(tmp_path, _fresh_seed, loss_type):
     """``sigmoid`` (TRL's default); ``ipo`` normalises by each completion's token count; ``apo_down``
     mixes the chosen log-ratio with the margin; ``sppo_hard`` squares the log-ratios (cancellation)."""
-    _trainer_module_calls("dpo_trainer", LigerFusedLinearDPOLoss)
+    _trainer_module_calls("trainer.dpo_trainer", LigerFusedLinearDPOLoss)
     tok, data = _tokenizer(), Dataset.from_dict(_PAIRS)
 
     def run(liger):
@@ -166,7 +170,7 @@ def test_dpo_trainer(tmp_path, _fresh_seed, loss_type):
 
 def test_kto_trainer(tmp_path, _fresh_seed):
     """Desirable and undesirable completions mixed in each batch of 3, with TRL's KL estimate."""
-    _trainer_module_calls("kto_trainer", LigerFusedLinearKTOLoss)
+    _trainer_module_calls("trainer.kto_trainer", LigerFusedLinearKTOLoss)
     tok = _tokenizer()
     data = Dataset.from_dict(dict(
         prompt=_PROMPTS + ["the cat", "hello"],
@@ -202,7 +206,7 @@ def test_grpo_trainer(tmp_path, _fresh_seed, loss_type, level, clip_key):
     is on-policy (ratio 1), the second has old log-probs, so the ratio is clipped; ``beta=0.1`` loads a
     reference (from the saved model: TRL builds it from the model's path) for the KL term. The rewards
     must agree too: they show both runs sampled the same completions."""
-    _trainer_module_calls("grpo_trainer", LigerFusedLinearGRPOLoss)
+    _trainer_module_calls("trainer.grpo_trainer", LigerFusedLinearGRPOLoss)
     tok, data = _tokenizer(), Dataset.from_dict({"prompt": _PROMPTS})
     path = tmp_path / "model"
     _model(_fresh_seed).to("cpu").save_pretrained(path)
@@ -227,7 +231,7 @@ def test_grpo_trainer(tmp_path, _fresh_seed, loss_type, level, clip_key):
 def test_distillation_trainer(tmp_path, _fresh_seed, beta):
     """On-policy distillation with the generalised JSD (``beta`` 0: forward KL, 1: reverse KL), from a
     teacher with larger weights so the divergence is far from 0."""
-    _trainer_module_calls("distillation_trainer", LigerFusedLinearJSDLoss)
+    _trainer_module_calls("trainer.distillation_trainer", LigerFusedLinearJSDLoss)
     tok, data = _tokenizer(), Dataset.from_dict({"prompt": _PROMPTS})
 
     def run(liger):
@@ -244,9 +248,33 @@ def test_distillation_trainer(tmp_path, _fresh_seed, beta):
 def test_dpo_trainer_exo_pair_is_refused_clearly(tmp_path, _fresh_seed):
     """TRL requires ``label_smoothing > 0`` for ``exo_pair`` but does not pass it to the fused loss, whose
     constructor then refuses the loss type by name instead of training a different loss."""
-    _trainer_module_calls("dpo_trainer", LigerFusedLinearDPOLoss)
+    _trainer_module_calls("trainer.dpo_trainer", LigerFusedLinearDPOLoss)
     args = trl.DPOConfig(per_device_train_batch_size=2, loss_type=["exo_pair"], label_smoothing=1e-3,
                          **_common_args(tmp_path, True, _fresh_seed))
     with pytest.raises(ValueError, match="exo_pair.*label_smoothing"):
         trl.DPOTrainer(model=_model(_fresh_seed), ref_model=_model(_fresh_seed + 1), args=args,
                        train_dataset=Dataset.from_dict(_PAIRS), processing_class=_tokenizer())
+
+
+@pytest.mark.parametrize("lmbda", [0.0, 1.0])
+def test_gkd_trainer(tmp_path, _fresh_seed, lmbda):
+    """TRL's experimental GKD trainer (an SFT trainer over conversations): ``lmbda=0`` trains on the
+    dataset's answers, ``lmbda=1`` on the student's own 5-token samples."""
+    gkd = _trainer_module_calls("experimental.gkd.gkd_trainer", LigerFusedLinearJSDLoss)
+    tok = _tokenizer()
+    answers = ["sat on the mat", "blue", "world", "ran fast"]
+    turns = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}]
+             for p, a in zip(_PROMPTS, answers, strict=True)]
+    data = Dataset.from_dict({"messages": turns})
+
+    def run(liger):
+        from trl.experimental.gkd import GKDConfig
+
+        args = GKDConfig(per_device_train_batch_size=2, max_new_tokens=5, max_length=32, lmbda=lmbda,
+                         beta=0.5, **_common_args(tmp_path, liger, _fresh_seed))
+        teacher = _model(_fresh_seed + 1, initializer_range=1.0)
+        trainer = gkd.GKDTrainer(model=_model(_fresh_seed), teacher_model=teacher, args=args,
+                                 train_dataset=data, processing_class=tok)
+        return _train(trainer, liger, LigerFusedLinearJSDLoss)
+
+    _assert_same_training(run(False), run(True), ["loss", "grad_norm"])
