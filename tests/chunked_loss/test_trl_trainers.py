@@ -3,10 +3,13 @@
 TRL 1.0 - 1.12 import this package's fused losses into their trainer modules and call them
 when ``use_liger_kernel=True``: ``DPOTrainer`` -> :class:`LigerFusedLinearDPOLoss`,
 ``KTOTrainer`` -> :class:`LigerFusedLinearKTOLoss`, ``GRPOTrainer`` ->
-:class:`LigerFusedLinearGRPOLoss`, ``DistillationTrainer`` and the experimental ``GKDTrainer`` ->
-:class:`LigerFusedLinearJSDLoss`. TRL 1.13 and later no longer call them. A trainer whose module does not hold our class
-(TRL missing, a TRL that does not call it, or a TRL that judged liger unavailable) is skipped
-with that reason; the detection is the module attribute itself, so no version list is kept.
+:class:`LigerFusedLinearGRPOLoss`, ``DistillationTrainer`` and the experimental ``GKDTrainer``
+-> :class:`LigerFusedLinearJSDLoss` (KTO by 1.9, distillation by 1.12). TRL 1.13 and later
+no longer call them. A trainer whose module does not hold our class (TRL missing, or a TRL that
+does not call it) is skipped with that reason; the detection is the module attribute itself, so
+no version list is kept. Within the ``trl`` extra's range a TRL whose DPO or GRPO trainer does
+not hold ours fails instead (``test_a_trl_in_the_pinned_range_calls_the_fused_losses``), so CI
+cannot skip these tests silently.
 
 Each test trains a tiny random-initialised Llama (built here, offline) for a few SGD steps on
 a tiny in-memory dataset, once with the fused loss and once with TRL's own loss from the same
@@ -87,9 +90,26 @@ def _trainer_module_calls(module_name: str, loss_cls: type):
     except ImportError as exc:
         pytest.skip(f"trl {trl.__version__}: trl.{module_name} does not import ({exc})")
     if getattr(module, loss_cls.__name__, None) is not loss_cls:
-        pytest.skip(f"trl {trl.__version__} does not call liger_kernel.chunked_loss.{loss_cls.__name__} "
-                    "(TRL >= 1.13 dropped the fused losses; 1.0 - 1.12 call them)")
+        pytest.skip(f"trl {trl.__version__}'s {module_name} does not call liger_kernel.chunked_loss."
+                    f"{loss_cls.__name__} (TRL >= 1.13 dropped the fused losses; earlier 1.x releases call "
+                    "them once they find liger-kernel installed)")
     return module
+
+
+def test_a_trl_in_the_pinned_range_calls_the_fused_losses():
+    """Within the ``trl`` extra's range the tests below must run, not skip: every TRL 1.x before 1.13
+    calls the fused DPO and GRPO losses once it finds liger-kernel (its check reads the installed
+    distribution's version, which must reach TRL's minimum)."""
+    from packaging.version import Version
+
+    if not Version("1.0") <= Version(trl.__version__) < Version("1.13"):
+        pytest.skip(f"trl {trl.__version__} is outside the trl extra's range (>=1.0,<1.13)")
+    pairs = (("dpo_trainer", LigerFusedLinearDPOLoss), ("grpo_trainer", LigerFusedLinearGRPOLoss))
+    for name, loss_cls in pairs:
+        module = importlib.import_module(f"trl.trainer.{name}")
+        assert getattr(module, loss_cls.__name__, None) is loss_cls, (
+            f"trl {trl.__version__}'s {name} did not import our {loss_cls.__name__}: TRL judged liger-kernel "
+            "unavailable (is the package installed, e.g. pip install -e ., not only on PYTHONPATH?)")
 
 
 def _common_args(tmp_path, liger: bool, seed: int) -> dict:
