@@ -4,11 +4,15 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: setup test demo lint bench gpu-check
 
+# The trl extra's range (pyproject.toml): later TRL versions no longer call the chunked losses.
+TRL_IN_RANGE = from importlib.metadata import version; from packaging.version import Version as V; \
+	assert V('1.0') <= V(version('trl')) < V('1.13')
+
 # Idempotent install: CPU torch 2.13.0 only when no torch is importable (a GPU machine keeps its own).
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	@$(PY) -c "import liger_kernel, transformers, pytest, xdist, hypothesis, matplotlib" 2>/dev/null || \
-		$(PY) -m pip install -q -e ".[dev,transformers]"
+	@$(PY) -c "import liger_kernel, transformers, pytest, xdist, hypothesis, matplotlib; $(TRL_IN_RANGE)" \
+		2>/dev/null || $(PY) -m pip install -q -e ".[dev,transformers,trl]"
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --timeout 900
