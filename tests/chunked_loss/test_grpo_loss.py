@@ -186,7 +186,8 @@ def test_sequence_level_differs_from_token_level():
     token, _ = run_case(loss_type="grpo", importance_sampling_level="token")
     torch.random.set_rng_state(state)
     sequence, _ = run_case(loss_type="grpo", importance_sampling_level="sequence")
-    assert abs(float(token.detach()) - float(sequence.detach())) > 1e-3
+    # Random batches put the two losses ~1e-3 to 1e-1 apart; fp32 rounding of an O(1) loss is ~1e-7.
+    assert abs(float(token.detach()) - float(sequence.detach())) > 1e-5
 
 
 def test_trl_call_shape_and_functional():
