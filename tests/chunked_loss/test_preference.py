@@ -217,7 +217,7 @@ def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precompute
         margins = (logps[:half] - logps[half:], ref[:half] - ref[half:])
         counts = counted.sum(-1).double()
         n_c, n_r = (torch.ones_like(c), torch.ones_like(r)) if average else (counts[:half], counts[half:])
-        loss = torch.zeros((), dtype=logits.dtype)
+        loss = logits.new_zeros(())
         for name, weight in zip(types, weights):
             if name == "sft":
                 loss = loss + weight * chosen_nll(logits, target)
@@ -225,7 +225,7 @@ def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precompute
                 loss = loss + weight * reference_dpo_losses(c, r, beta, name, ls, tau, n_c, n_r, f_divergence,
                                                             margins).mean()
         # The NLL metric is the chosen tokens' NLL whenever it enters the loss (compute_nll_loss or sft).
-        nll_loss = chosen_nll(logits, target) if nll or "sft" in types else torch.zeros((), dtype=logits.dtype)
+        nll_loss = chosen_nll(logits, target) if nll or "sft" in types else logits.new_zeros(())
         metrics = pair_metrics(logits, logps, logits.shape[-1]) + [nll_loss, beta * c, beta * r]
         return loss + (alpha * chosen_nll(logits, target) if nll else 0.0), metrics, tok.unsqueeze(-1)
 
@@ -402,7 +402,7 @@ def ld_dpo_reference(target, beta, loss_type, ld_alpha):
         c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
         counts = counted.sum(-1).double()
         loss = reference_dpo_losses(c, r, beta, loss_type, 0.0, 0.05, counts[:half], counts[half:]).mean()
-        metrics = pair_metrics(logits, logps, logits.shape[-1]) + [torch.zeros((), dtype=logits.dtype), beta * c,
+        metrics = pair_metrics(logits, logps, logits.shape[-1]) + [logits.new_zeros(()), beta * c,
                                                                    beta * r]
         return loss, metrics, tok.unsqueeze(-1)
 
@@ -479,7 +479,7 @@ def test_simpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, label_smoothin
         rewards = reference_alphapo_reward(logps, alphapo_alpha)
         h = beta * (rewards[:half] - rewards[half:]) - gamma
         loss = (-F.logsigmoid(h) * (1 - label_smoothing) - F.logsigmoid(-h) * label_smoothing).mean()
-        nll = chosen_nll(logits, target) if compute_nll_loss else torch.zeros((), dtype=logits.dtype)
+        nll = chosen_nll(logits, target) if compute_nll_loss else logits.new_zeros(())
         metrics = pair_metrics(logits, logps, vocab) + [nll, beta * rewards[:half], beta * rewards[half:]]
         return loss + alpha * nll, metrics, tok.unsqueeze(-1)
 
