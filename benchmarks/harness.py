@@ -156,6 +156,19 @@ def _event_median(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, dev
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def _end_generator_capture(device: torch.device) -> None:
+    """Leave the CUDA random generator usable after a capture that failed inside
+    ``capture_end``: the generator still counts itself as capturing, and every later random
+    draw on the device raises "Offset increment outside graph capture". A capture that
+    begins and ends cleanly resets it."""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+        torch.cuda.synchronize(device)
+    except Exception:  # nothing more to restore; later cases report their own errors
+        pass
+
+
 def _graph_median(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: torch.device,
                   estimate_ms: float, cfg: TimingConfig) -> float | None:
     """Median GPU time of ``fn(None)`` captured in a CUDA graph and replayed; None if capture fails.
@@ -185,6 +198,7 @@ def _graph_median(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, dev
     except Exception:
         del graph, static
         torch.cuda.synchronize(device)
+        _end_generator_capture(device)
         return None
     estimate_ms = max(estimate_ms, 1e-3)
     n_warmup = min(int(cfg.warmup_ms / estimate_ms), 200)
