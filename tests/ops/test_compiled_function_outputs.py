@@ -207,4 +207,4 @@ def test_compiled_outputs_and_gradients_match_eager(name):
     torch.testing.assert_close(compiled_out, eager_out)
     for i, (compiled, eager) in enumerate(zip(compiled_grads, eager_grads)):
         assert eager is not None and eager.abs().sum() > 0, f"input {i}: no eager gradient to compare"
-        torch.testing.assert_close(compiled, eager, msg=lambda m: f"input {i}: {m}")
+        torch.testing.assert_close(compiled, eager, msg=lambda m, i=i: f"input {i}: {m}")

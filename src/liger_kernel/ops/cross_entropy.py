@@ -571,10 +571,10 @@ def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, ov
     ctx.save_for_backward(grad if compute_grad else None)
     # torch's dtype for the loss (unless asked otherwise): computed in float32, rounded once here.
     # Only when the dtype differs: a no-op ``.to`` returns its input object, and an autograd
-    # Function's traced forward must not return a tensor some other traced op also produced
-    # (see ``distinct_function_outputs`` in the tests: torch 2.11's Dynamo returns that
-    # other result from the forward too, autograd records the later output slot on the shared
-    # tensor, and the loss's gradient reaches backward as zeros).
+    # Function's traced forward must not return a tensor that another traced op also produced.
+    # torch 2.11's Dynamo returns every intermediate of the forward as an extra output, so the
+    # loss tensor would be output twice; autograd records the later slot on it, and the loss's
+    # gradient would reach backward as zeros (tests/function_graphs.py checks for the pattern).
     loss_dtype = loss_dtype or logits.dtype
     if loss.dtype != loss_dtype:
         loss, z_loss = loss.to(loss_dtype), z_loss.to(loss_dtype)
