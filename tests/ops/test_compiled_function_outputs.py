@@ -1,7 +1,9 @@
 """Every autograd Function of ``ops`` under ``torch.compile(fullgraph=True)``: the traced forward
 returns no tensor that another traced op also produced (see ``tests/function_graphs.py``: such an
 output gets zero gradients on torch releases whose Dynamo returns the forward's intermediates
-too), and outputs and input gradients match eager through AOTAutograd.
+too), and outputs and input gradients match eager through AOTAutograd (eager itself is checked
+against float64 in each op's own tests). The chunked head (``ops/chunked_head.py``) is not
+here: Dynamo cannot trace its forward as one graph.
 
 Each case builds fresh inputs (odd sizes) and a step returning the Function's differentiable
 outputs; both runs backpropagate the same random upstream gradients (not 1, so that the
