@@ -537,9 +537,9 @@ def test_torch_compile_fullgraph_matches_eager():
 
 def test_compiled_forward_declares_no_mutation():
     """The traced forward never overwrites the logits, so it calls the op that declares no
-    mutation. A mutating op inside an autograd Function's forward is functionalised into a
-    copy of the logits, and torch 2.11's Dynamo then routed the loss's gradient to another
-    output of the Function (zero gradients under torch.compile on that release)."""
+    mutation (a mutating op inside an autograd Function's forward is functionalised into a
+    copy of the logits). The gradient is that of the loss, not zeros: see
+    ``tests/ops/test_compiled_function_outputs.py`` for the traced-output check."""
     from torch._dynamo.backends.common import aot_autograd
 
     forward_graphs = []

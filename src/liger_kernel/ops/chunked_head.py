@@ -364,7 +364,13 @@ def chunked_head_loss_and_grads(
         grad = getattr(result, name)
         if grad is not None and grad.dtype != dtype:
             setattr(result, name, grad.to(dtype))
-    return loss.detach().float(), tuple(_as_float32(m.detach()) for m in metrics), result
+    loss = loss.detach()
+    # Cast only when needed: a no-op ``.float()`` returns its input object, and a tensor the
+    # Function's traced forward returns must not be another traced op's result too (torch
+    # 2.11's Dynamo then routes its gradient to another output slot: zero gradients).
+    if loss.dtype != torch.float32:
+        loss = loss.float()
+    return loss, tuple(_as_float32(m.detach()) for m in metrics), result
 
 
 class _Rows:

@@ -499,8 +499,7 @@ def _forward_fake(logits, target, class_weight, ignore_index, label_smoothing, l
 # Two ops, so that each declares exactly what it writes. Under torch.compile (and for fake
 # or meta tensors) only the first is used: the traced forward never overwrites the logits,
 # and an op declaring a mutation inside an autograd Function's forward costs a clone of the
-# logits under functionalization (and torch 2.11's Dynamo routed the loss's gradient to the
-# wrong output of such a forward: zero gradients).
+# logits under functionalization.
 
 
 def _forward_launcher(in_place: bool):
@@ -571,8 +570,14 @@ def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, ov
     ctx.compute_grad = compute_grad
     ctx.save_for_backward(grad if compute_grad else None)
     # torch's dtype for the loss (unless asked otherwise): computed in float32, rounded once here.
+    # Only when the dtype differs: a no-op ``.to`` returns its input object, and an autograd
+    # Function's traced forward must not return a tensor that another traced op also produced.
+    # torch 2.11's Dynamo returns every intermediate of the forward as an extra output, so the
+    # loss tensor would be output twice; autograd records the later slot on it, and the loss's
+    # gradient would reach backward as zeros (tests/function_graphs.py checks for the pattern).
     loss_dtype = loss_dtype or logits.dtype
-    loss, z_loss = loss.to(loss_dtype), z_loss.to(loss_dtype)
+    if loss.dtype != loss_dtype:
+        loss, z_loss = loss.to(loss_dtype), z_loss.to(loss_dtype)
     ctx.mark_non_differentiable(z_loss, accuracy)
     return loss, z_loss, accuracy
 
