@@ -85,10 +85,9 @@ def test_table_rows_carry_the_full_mode_ratios(tmp_path, capsys):
 def test_committed_runs_have_every_op_and_redraw(kind, tmp_path):
     folder = REPO / "benchmarks" / "results" / kind
     rows = plots.read_csv(folder / "bench.csv")
-    ops = {r["op"] for r in rows}
-    assert ops == {"rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy",
-                   "fused_linear_cross_entropy"}
-    for op in ops:
+    kernels = {"rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy"}
+    assert kernels <= {r["op"] for r in rows}
+    for op in kernels:
         op_rows = [r for r in rows if r["op"] == op]
         values = plots.speedups(op_rows, plots.reference_shape(op_rows))
         assert not math.isnan(values["full", "hf_eager"]) and not math.isnan(values["full", "torch_compile"])

@@ -12,6 +12,10 @@ backward's scaling of a gradient computed in the forward does something).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,6 +34,8 @@ from liger_kernel.ops.swiglu import LigerGatedDownProjFunction, LigerSiLUMulFunc
 from liger_kernel.ops.tvd import LigerTVDLossFunction
 from tests.function_graphs import compile_checking_outputs
 from tests.utils import DEVICE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _randn(*shape):
@@ -194,12 +200,7 @@ def _run(step, inputs, upstream=None):
 _UNTRACEABLE = {"fused_linear_logprobs"}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="data-dependent host check in the forward"))
-    if name in _UNTRACEABLE else name
-    for name in CASES
-])
-def test_compiled_outputs_and_gradients_match_eager(name):
+def check_compiled_matches_eager(name):
     torch._dynamo.reset()
     step, inputs = CASES[name]()
     eager_out, upstream, eager_grads = _run(step, inputs)
@@ -210,3 +211,21 @@ def test_compiled_outputs_and_gradients_match_eager(name):
     for i, (compiled, eager) in enumerate(zip(compiled_grads, eager_grads)):
         assert eager is not None and eager.abs().sum() > 0, f"input {i}: no eager gradient to compare"
         torch.testing.assert_close(compiled, eager, msg=lambda m, i=i: f"input {i}: {m}")
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name not in _UNTRACEABLE])
+def test_compiled_outputs_and_gradients_match_eager(name):
+    check_compiled_matches_eager(name)
+
+
+@pytest.mark.parametrize("name", sorted(_UNTRACEABLE))
+def test_untraceable_cases_still_fail_to_trace(name):
+    """In a child process: a trace that fails inside one of our Functions leaves this process's
+    later autograd backwards seeing one Python reference more on saved tensors (torch 2.11 and
+    2.13), which turns off the count-based in-place decisions other tests check. When the case
+    becomes traceable, move it to the test above."""
+    code = ("import tests.conftest, tests.ops.test_compiled_function_outputs as t; "
+            f"t.check_compiled_matches_eager({name!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, f"{name} now traces as one graph: move it to the compiled-vs-eager test"
+    assert "DataDependent" in proc.stderr, proc.stderr[-2000:]
