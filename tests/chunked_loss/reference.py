@@ -71,18 +71,19 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
     if x.dtype == torch.float32 and fp32_at_engine_logits:
         logits = engine_logits(x, weight, bias, plan).double().requires_grad_()
         loss, aux, q = loss_of_logits(logits, ref_logits)
-        g, grad_q = torch.autograd.grad(loss, [logits, q], allow_unused=True)
+        g, grad_q = torch.autograd.grad(loss, [logits, q], allow_unused=True, create_graph=True)
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
-        g = g.reshape(-1, g.shape[-1])
+        g = g.detach().reshape(-1, g.shape[-1])
         grads = [(g @ w64).view_as(x64), g.t() @ x64.reshape(-1, x64.shape[-1]), g.sum(0)]
-        return loss.detach(), aux, grads, fp32_cancellation(grad_q, x64, w64, weight.shape[0])
+        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0])
     if x.dtype == torch.float32:
         leaves = [t.clone().requires_grad_() for t in (x64, w64) + ((b64,) if b64 is not None else ())]
         logits = leaves[0] @ leaves[1].t() + (leaves[2] if b64 is not None else 0)
         loss, aux, q = loss_of_logits(logits, ref_logits)
-        *grads, grad_q = torch.autograd.grad(loss, leaves + [q], allow_unused=True)
+        *grads, grad_q = torch.autograd.grad(loss, leaves + [q], allow_unused=True, create_graph=True)
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
-        return loss.detach(), aux, list(grads), fp32_cancellation(grad_q, x64, w64, weight.shape[0])
+        grads = [grad.detach() for grad in grads]
+        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0])
     logits = engine_logits(x, weight, bias, plan).double().requires_grad_()
     loss, aux, _ = loss_of_logits(logits, ref_logits)
     (g,) = torch.autograd.grad(loss, logits)
@@ -91,6 +92,37 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
     grads = [(g @ w64).view_as(x64), g.t() @ xr, g.sum(0)]
     bounds = [(g.abs() @ w64.abs()).view_as(x64), g.abs().t() @ xr.abs(), g.abs().sum(0)]
     return loss.detach(), aux, grads, bounds
+
+
+def fp32_allowance(grad_q, q, x64, w64, vocab):
+    """:func:`fp32_cancellation` plus what the float32 per-token quantities' own rounding does to
+    the loss's slope: the engine's ``q`` is off by up to ``e = 4u (1 + log V)(1 + |q|)`` an entry,
+    which moves ``c = dL/dq`` by up to ``|H| e`` (``H`` the loss's Hessian in ``q``, float64;
+    large where the loss bends sharply, as DiscoPOP's ``sigmoid(x / 0.05)`` or the
+    f-divergences' exponentials of a sequence's log-ratio). A row's logit gradient has
+    ``|dq/dz| <= 1`` an entry and ``<= 2`` summed over the vocabulary, so ``delta_c_r`` reaches
+    dX row r as ``2 max|W| delta_c_r``, dW as ``sum_r delta_c_r |x_r|`` and dB as
+    ``sum_r delta_c_r``."""
+    import math
+
+    base = fp32_cancellation(grad_q.detach(), x64, w64, vocab)
+    if not grad_q.requires_grad:  # the loss is linear in q
+        return base
+    flat_grad = grad_q.reshape(-1)
+    hessian = torch.stack([_hessian_row(flat_grad[i], q) for i in range(flat_grad.numel())])
+    error_q = 4 * 2.0**-24 * (1 + math.log(vocab)) * (1 + q.detach().abs().reshape(-1))
+    delta_c = (hessian.abs() @ error_q).view_as(q).sum(-1).reshape(-1)
+    xr = x64.reshape(-1, x64.shape[-1]).abs()
+    extra = [(2 * float(w64.abs().max()) * delta_c).view(*x64.shape[:2], 1).expand_as(x64),
+             (delta_c @ xr).expand_as(w64), delta_c.sum().expand(w64.shape[0])]
+    return [b + e for b, e in zip(base, extra)]
+
+
+def _hessian_row(grad_entry, q):
+    if not grad_entry.requires_grad:
+        return torch.zeros(q.numel(), dtype=q.dtype, device=q.device)
+    (row,) = torch.autograd.grad(grad_entry, q, retain_graph=True, allow_unused=True)
+    return torch.zeros(q.numel(), dtype=q.dtype, device=q.device) if row is None else row.reshape(-1)
 
 
 def fp32_cancellation(grad_q, x64, w64, vocab):

@@ -229,3 +229,32 @@ def test_untraceable_cases_still_fail_to_trace(name):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, f"{name} now traces as one graph: move it to the compiled-vs-eager test"
     assert "DataDependent" in proc.stderr, proc.stderr[-2000:]
+
+
+def _dpo_loss():
+    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+
+    pairs, length, d, v = 2, 5, 16, 29
+    target = torch.randint(0, v, (2 * pairs, length), device=DEVICE)
+    target[1, :2] = -100
+    loss_fn = LigerFusedLinearDPOLoss(beta=0.1, use_ref_model=False)
+
+    def step(x, w):
+        loss, _ = loss_fn(w, x * 1.0, target)
+        return (loss,)
+
+    return step, [_randn(2 * pairs, length, d), _randn(v, d) * 0.3]
+
+
+@pytest.mark.parametrize("case", [_fused_linear_logprobs, _dpo_loss], ids=["fused_linear_logprobs", "dpo_loss"])
+def test_untraceable_functions_run_eagerly_under_compile(case):
+    """``torch.compile`` without ``fullgraph``: the chunked Functions (which switch cuBLAS's
+    reduction precision inside their forward, something Dynamo refuses to trace) become a graph
+    break and give eager's outputs and gradients, and the traced remainder still compiles."""
+    torch._dynamo.reset()
+    step, inputs = case()
+    eager_out, upstream, eager_grads = _run(step, inputs)
+    compiled_out, _, compiled_grads = _run(torch.compile(step, backend="aot_eager"), inputs, upstream)
+    torch.testing.assert_close(compiled_out, eager_out)
+    for i, (compiled, eager) in enumerate(zip(compiled_grads, eager_grads)):
+        torch.testing.assert_close(compiled, eager, msg=lambda m, i=i: f"input {i}: {m}")

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from liger_kernel.chunked_loss.fused_linear_ppo import grads_in_dtypes, one_dtype_head
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
@@ -90,7 +90,7 @@ def distillation_token_fn(loss_fn, temperature, ignore_index, student_vocab, tea
     return token_fn
 
 
-class LigerFusedLinearDistillationBase(torch.autograd.Function):
+class LigerFusedLinearDistillationBase(EagerUnderCompile, torch.autograd.Function):
     """Base of the fused-head distillation losses; see the module docstring."""
 
     @staticmethod

@@ -45,7 +45,7 @@ import inspect
 
 import torch
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
@@ -112,7 +112,7 @@ def _check_side_tensor(t, name, batch_shape, device, allowed_trailing):
         raise ValueError(f"{name} must have shape {allowed}, got {tuple(t.shape)}")
 
 
-class LigerFusedLinearPPOBase(torch.autograd.Function):
+class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
     """Base of the fused-head policy-gradient losses; see the module docstring.
 
     A subclass defines ``ppo_loss_fn`` (a staticmethod) and a ``forward(ctx, ...)`` that calls

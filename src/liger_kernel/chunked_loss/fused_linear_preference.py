@@ -42,7 +42,7 @@ from abc import abstractmethod
 
 import torch
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 from liger_kernel.ops.chunked_head import (
     TargetLogProbs,
     chunked_head_loss_and_grads,
@@ -137,7 +137,7 @@ def preference_head_backward(ctx, grad_output: tuple) -> tuple:
     return scaled_head_grads(ctx, upstream_loss_gradient(grad_output))
 
 
-class LigerFusedLinearPreferenceBase(torch.autograd.Function):
+class LigerFusedLinearPreferenceBase(EagerUnderCompile, torch.autograd.Function):
     """Base of the paired preference losses; see the module docstring.
 
     Subclasses define ``preference_loss_fn(chosen_logps, rejected_logps, full_target, beta, ...)``

@@ -33,10 +33,10 @@ from liger_kernel.chunked_loss.fused_linear_preference import (
     preference_head_forward,
     reference_head,
 )
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 
 
-class LigerFusedLinearUnpairedPreferenceBase(torch.autograd.Function):
+class LigerFusedLinearUnpairedPreferenceBase(EagerUnderCompile, torch.autograd.Function):
     """Base of the unpaired preference losses; subclass as :class:`LigerFusedLinearPreferenceBase`
     (``backward`` returns the grads of ``_input``, ``weight``, ``target``, ``preference_labels``
     and ``bias``, i.e. ``[:5]``)."""

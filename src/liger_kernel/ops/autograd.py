@@ -92,3 +92,20 @@ def once_differentiable(backward):
         return results[0] if single else tuple(results)
 
     return wrapper
+
+
+class EagerUnderCompile:
+    """Mixin for an autograd Function whose forward Dynamo cannot trace (a Python loop over
+    chunks that switches cuBLAS's reduction precision, host reads of data-dependent sizes):
+    under ``torch.compile`` its ``apply`` is a graph break and the Function runs eagerly, with
+    the same results; ``fullgraph=True`` raises at it. List it before ``torch.autograd.Function``
+    among the bases."""
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        return _apply_eagerly(cls, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _apply_eagerly(cls, *args, **kwargs):
+    return super(EagerUnderCompile, cls).apply(*args, **kwargs)

@@ -88,7 +88,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 from liger_kernel.ops.checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.fused_linear_cross_entropy import (
@@ -607,7 +607,7 @@ def upstream_loss_gradient(grad_output: tuple) -> torch.Tensor | None:
     return first
 
 
-class LigerChunkedHeadFunction(torch.autograd.Function):
+class LigerChunkedHeadFunction(EagerUnderCompile, torch.autograd.Function):
     """``apply(x, weight, bias, token_fn, group_fn, token_args, group_args, ref_x, ref_weight, ref_bias,
     paired, additive, accum_fp32, ref_logits_to_token_fn)`` -> ``(loss, metrics)``; see the module docstring.
 

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     ChunkedHeadConfig,
@@ -157,7 +157,7 @@ def logprobs_and_entropy_backward(x, weight, bias, target, temperature, ignore_i
     return grads
 
 
-class LigerFusedLinearLogProbsFunction(torch.autograd.Function):
+class LigerFusedLinearLogProbsFunction(EagerUnderCompile, torch.autograd.Function):
     """``apply(x, weight, bias, target, temperature=1.0, ignore_index=-100)`` -> ``(logp, entropy)``,
     both float32 with ``x``'s leading shape; see the module docstring."""
 
@@ -210,6 +210,5 @@ class LigerFusedLinearScaledCrossEntropyFunction:
             raise ValueError(f"m_tiles_per_cluster must be an int >= 1, got {m_tiles_per_cluster!r}")
         if not isinstance(return_entropy, bool):
             raise TypeError("return_entropy must be a bool")
-        logp, entropy = LigerFusedLinearLogProbsFunction.apply(_input, weight, None, target, temperature,
-                                                               ignore_index)
+        logp, entropy = fused_linear_logprobs(_input, weight, target, None, temperature, ignore_index)
         return (-logp, entropy) if return_entropy else -logp
