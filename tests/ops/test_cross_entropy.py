@@ -289,6 +289,24 @@ def test_overwrites_only_a_temporary(entry):
     assert_grad_close(x.grad, ref.grad, torch.bfloat16)
 
 
+def test_no_overwrite_when_calls_counted_differently_at_import(monkeypatch):
+    """Where the interpreter calls Python functions unlike at import (a frame-evaluation hook
+    added or removed since), the counted references are not comparable with the limits, so
+    even a temporary's logits are left alone (see ops.grad_ownership.python_call_references)."""
+    from liger_kernel.ops import grad_ownership
+
+    monkeypatch.setattr(grad_ownership, "_CALL_REFERENCES_AT_IMPORT", grad_ownership.python_call_references() - 1)
+    logits, target, x, pointers, hook, made, temporary = temporary_setup()
+    with hook:
+        loss = liger_cross_entropy(temporary(), target, label_smoothing=0.1)
+    assert made[0] not in pointers, "a temporary's logits were overwritten although the counts are not comparable"
+    loss.backward()
+    ref = logits.double().requires_grad_()
+    ref_loss = reference_cross_entropy(ref, target, label_smoothing=0.1)[0]
+    ref_loss.backward()
+    assert_grad_close(x.grad, ref.grad, torch.bfloat16)
+
+
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 def test_second_use_of_held_logits_gives_torch_value(entry):
     """Logits the caller still holds keep their values: a second loss (or any function) on

@@ -146,3 +146,45 @@ def test_norm_backward_without_storage_use_count_writes_nothing_in_place(norm, m
     assert grad_ownership._calibrate_owned_grad_references() is None
     monkeypatch.setattr(grad_ownership, "_OWNED_GRAD_REFERENCES", None)
     assert norm_into_projection(norm) == {True: False, False: False}
+
+
+def test_no_in_place_write_once_python_calls_count_differently():
+    """Every count includes the references of the Python calls leading to it, and a
+    frame-evaluation hook (Dynamo leaves one installed after a trace fails inside a Function)
+    adds one an argument. In a child process, after such a failure: the interpreter reports the
+    change, and the norm's backward, which wrote dx over dy before, no longer does (its counts
+    are no longer those measured at import), with the same gradients."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import tests.conftest
+import torch
+from liger_kernel.ops import grad_ownership
+from tests.ops.test_compiled_function_outputs import check_compiled_matches_eager
+from tests.ops.test_grad_ownership import norm_into_projection
+assert grad_ownership.counts_comparable_with_import()
+assert norm_into_projection("rms_norm") == {True: True, False: False}
+try:
+    check_compiled_matches_eager("fused_linear_logprobs")
+except Exception:
+    pass
+assert not grad_ownership.counts_comparable_with_import(), "the trace failure changed nothing"
+assert norm_into_projection("rms_norm") == {True: False, False: False}
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_no_in_place_write_when_calls_counted_differently_at_import(norm, monkeypatch):
+    """The other direction, which no public switch produces: limits measured while a hook made
+    every call a full one, counts taken after it was removed, would let a held gradient pass as
+    private by one reference. Whatever the direction, the backward then writes nothing in place."""
+    from liger_kernel.ops import grad_ownership
+
+    monkeypatch.setattr(grad_ownership, "_CALL_REFERENCES_AT_IMPORT", grad_ownership.python_call_references() + 1)
+    assert norm_into_projection(norm) == {True: False, False: False}

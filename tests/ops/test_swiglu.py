@@ -159,6 +159,25 @@ def test_in_place_backward_writes_into_the_temporaries(dtype):
     assert torch.equal(x.grad, da) and torch.equal(y.grad, db)
 
 
+def test_no_in_place_backward_when_calls_counted_differently_at_import(monkeypatch):
+    """Counts taken while the interpreter calls Python functions unlike at import are not
+    comparable with the limits (see ops.grad_ownership.python_call_references): the backward
+    then allocates, with the same gradients."""
+    from liger_kernel.ops import grad_ownership
+
+    monkeypatch.setattr(grad_ownership, "_CALL_REFERENCES_AT_IMPORT", grad_ownership.python_call_references() - 1)
+    shape = (3, 37)
+    x, y, a, b = _temporaries(shape, torch.float32)
+    dh = torch.randn(shape, device=DEVICE)
+    records = record_gradient_memory(a, b)
+    h = LigerSiLUMulFunction.apply(a, b, True)
+    del a, b
+    h.backward(dh)
+    assert wrote_in_place(records) == [False, False]
+    _, da, db = gated_run(LigerSiLUMulFunction.apply, x, y, dh, False)
+    assert torch.equal(x.grad, da) and torch.equal(y.grad, db)
+
+
 def test_in_place_backward_into_fused_halves():
     fused_leaf, _ = fused_halves((2, 5), 37, torch.float32, requires_grad=True)
     a, b = (fused_leaf * 1).chunk(2, dim=-1)

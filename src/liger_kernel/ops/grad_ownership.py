@@ -14,6 +14,32 @@ import torch
 from liger_kernel.ops.autograd import once_differentiable
 
 
+def _references_to_argument(argument: object) -> int:
+    return sys.getrefcount(argument)
+
+
+def python_call_references() -> int:
+    """References a Python function sees on an argument that its Python caller holds once.
+
+    Every reference count below includes the references of the Python calls that lead to it,
+    and how many those are depends on how the interpreter calls Python functions: a
+    frame-evaluation hook (PEP 523: Dynamo can leave one installed after a trace fails, some
+    debuggers install one) turns the inlined calls into full ones, one reference more an
+    argument. The limits are measured at import, so they hold only while this count is what
+    it was then (:func:`counts_comparable_with_import`)."""
+    return _references_to_argument(object())
+
+
+_CALL_REFERENCES_AT_IMPORT = python_call_references()
+
+
+def counts_comparable_with_import() -> bool:
+    """Whether the interpreter calls Python functions as it did when the limits were measured;
+    where not, nothing is written in place (a count shifted either way could let a held
+    tensor pass as private)."""
+    return python_call_references() == _CALL_REFERENCES_AT_IMPORT
+
+
 def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether a norm's in-place backward may write dx over ``grad_output``.
 
@@ -90,6 +116,8 @@ def _grad_owned_by_autograd(grad: torch.Tensor) -> bool:
     counts = (sys.getrefcount(grad), 0 if base is None else sys.getrefcount(base), _storage_users(grad))
     if _CALIBRATION_COUNTS is not None:
         _CALIBRATION_COUNTS.append(counts)
+        return False
+    if not counts_comparable_with_import():
         return False
     max_refs, max_base_refs, max_users, max_users_of_a_view = limits
     return (counts[0] <= max_refs and counts[1] <= max_base_refs
@@ -192,7 +220,7 @@ def unpack_private_activations(ctx) -> tuple[tuple[torch.Tensor, ...], bool]:
         _SAVED_CALIBRATION_COUNTS.append(_saved_pair_counts(a, b))
         return saved, False
     limits = _PRIVATE_SAVED_COUNTS
-    if limits is None or a.is_meta or b.is_meta:
+    if limits is None or a.is_meta or b.is_meta or not counts_comparable_with_import():
         return saved, False
     max_refs, max_base_refs, max_extra_users = limits
     return saved, all(refs <= max_refs and base_refs <= max_base_refs and users <= max_extra_users
