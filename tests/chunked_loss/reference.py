@@ -83,7 +83,8 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
         *grads, grad_q = torch.autograd.grad(loss, leaves + [q], allow_unused=True, create_graph=True)
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
         grads = [grad.detach() for grad in grads]
-        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0])
+        logits_error = 4 * 2.0**-24 * x64.shape[-1] * (x64.reshape(-1, x64.shape[-1]).abs() @ w64.abs().t())
+        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0], logits, logits_error)
     logits = engine_logits(x, weight, bias, plan).double().requires_grad_()
     loss, aux, _ = loss_of_logits(logits, ref_logits)
     (g,) = torch.autograd.grad(loss, logits)
@@ -94,7 +95,7 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
     return loss.detach(), aux, grads, bounds
 
 
-def fp32_allowance(grad_q, q, x64, w64, vocab):
+def fp32_allowance(grad_q, q, x64, w64, vocab, logits=None, logits_error=None):
     """:func:`fp32_cancellation` plus what the float32 per-token quantities' own rounding does to
     the loss's slope: the engine's ``q`` is off by up to ``e = 4u (1 + log V)(1 + |q|)`` an entry,
     which moves ``c = dL/dq`` by up to ``|H| e`` (``H`` the loss's Hessian in ``q``, float64;
@@ -102,7 +103,8 @@ def fp32_allowance(grad_q, q, x64, w64, vocab):
     f-divergences' exponentials of a sequence's log-ratio). A row's logit gradient has
     ``|dq/dz| <= 1`` an entry and ``<= 2`` summed over the vocabulary, so ``delta_c_r`` reaches
     dX row r as ``2 max|W| delta_c_r``, dW as ``sum_r delta_c_r |x_r|`` and dB as
-    ``sum_r delta_c_r``."""
+    ``sum_r delta_c_r``. Where the reference's logits are exact (float64 GEMM), ``e`` also takes
+    the float32 GEMM's rounding of each logit (``logits_error``, (rows, V)) through ``|dq/dz|``."""
     import math
 
     base = fp32_cancellation(grad_q.detach(), x64, w64, vocab)
@@ -111,11 +113,26 @@ def fp32_allowance(grad_q, q, x64, w64, vocab):
     flat_grad = grad_q.reshape(-1)
     hessian = torch.stack([_hessian_row(flat_grad[i], q) for i in range(flat_grad.numel())])
     error_q = 4 * 2.0**-24 * (1 + math.log(vocab)) * (1 + q.detach().abs().reshape(-1))
+    if logits is not None:
+        error_q = error_q + _propagated_logits_error(q, logits, logits_error)
     delta_c = (hessian.abs() @ error_q).view_as(q).sum(-1).reshape(-1)
     xr = x64.reshape(-1, x64.shape[-1]).abs()
     extra = [(2 * float(w64.abs().max()) * delta_c).view(*x64.shape[:2], 1).expand_as(x64),
              (delta_c @ xr).expand_as(w64), delta_c.sum().expand(w64.shape[0])]
     return [b + e for b, e in zip(base, extra)]
+
+
+def _propagated_logits_error(q, logits, logits_error):
+    """``sum_v |dq_rk/dz_rv| logits_error_rv`` for every entry of ``q`` (rows independent)."""
+    flat_q = q.reshape(-1, q.shape[-1])
+    columns = []
+    for k in range(flat_q.shape[-1]):
+        (jac,) = torch.autograd.grad(flat_q[:, k].sum(), logits, retain_graph=True, allow_unused=True)
+        if jac is None:
+            columns.append(torch.zeros(flat_q.shape[0], dtype=q.dtype, device=q.device))
+            continue
+        columns.append((jac.reshape(-1, jac.shape[-1]).abs() * logits_error).sum(-1))
+    return torch.stack(columns, dim=-1).reshape(-1)
 
 
 def _hessian_row(grad_entry, q):
@@ -303,7 +320,10 @@ def grpo_reference(logp, mask, advantages, old=None, ref=None, vllm_is_ratio=Non
     metrics = []
     if beta != 0.0:
         metrics.append((per_token_kl * mask).sum() / tokens)
-    metrics.append((clipped.expand_as(mask) * mask).sum() / tokens)
+    if clipped.dim() == 2 and clipped.shape[1] == 1 and mask.shape[1] != 1:  # one ratio a sequence (GSPO)
+        metrics.append(clipped.double().sum() / max(mask.shape[0], 1))
+    else:
+        metrics.append((clipped.expand_as(mask) * mask).sum() / tokens)
     return loss, tuple(m.detach() for m in metrics)
 
 

@@ -30,10 +30,10 @@ and the loss, with B the batch size and T its padded completion length::
                        TRL's mean; T' = 1 when l has one entry a row)
 
 Metrics, as TRL's GRPOTrainer reads them (``metrics[0]`` the KL when ``beta != 0``,
-``metrics[-1]`` the clip ratio): ``(mean_kl, clip_ratio)`` or ``(clip_ratio,)``, both means over
-the batch's counted tokens: ``kl`` as it enters the loss (times ``r`` with
-``use_bias_correction_kl``), and the fraction of tokens whose ratio is clipped in the direction
-of their advantage (``r < 1 - eps_low`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``;
+``metrics[-1]`` the clip ratio): ``(mean_kl, clip_ratio)`` or ``(clip_ratio,)``: ``kl`` as it
+enters the loss (times ``r`` with ``use_bias_correction_kl``), a mean over the batch's counted
+tokens, and the fraction of tokens (with ``importance_sampling_level="sequence"``, of the batch's
+sequences, as TRL counts it) whose ratio is clipped in the direction of their advantage (``r < 1 - eps_low`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``;
 for cispo ``r > eps_high`` with ``A > 0``; always 0 for sapo and vespo).
 
 Deviations from TRL / the best-known library, on purpose:
@@ -176,7 +176,10 @@ class LigerFusedLinearGRPOFunction(LigerFusedLinearPPOBase):
         metrics = []
         if kl is not None:
             metrics.append((kl * mask).sum() / n_tokens)
-        metrics.append((is_clipped.expand_as(mask) * mask).sum() / n_tokens)
+        if is_clipped.shape[-1] == 1 and mask.shape[-1] != 1:  # one ratio a sequence: TRL counts sequences
+            metrics.append(is_clipped.sum() / n_seqs)
+        else:
+            metrics.append((is_clipped.expand_as(mask) * mask).sum() / n_tokens)
         return loss, tuple(metrics)
 
     @classmethod
