@@ -54,7 +54,8 @@ def engine_logits(x, weight, bias, plan):
     return out.view(n_groups, seq_len, -1)
 
 
-def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32_at_engine_logits=False):
+def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32_at_engine_logits=False,
+                    logit_scale=1.0):
     """Float64 (loss, aux, grads, bounds) of ``loss_of_logits(logits64, ref_logits64) -> (loss, aux, q)``,
     ``q`` the per-token quantities (B, T, K) the loss is a function of.
 
@@ -65,6 +66,7 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
     rounding of each logit, summed over a sequence, moves the gradient by more than float32
     tolerances, and what is tested is everything after that GEMM, as for bf16. Low precision:
     at the engine's rounded logits, with the componentwise bounds of the module docstring.
+    ``logit_scale``: the factor the loss applies to the logits before its softmax (1 / temperature).
     """
     x64, w64 = x.detach().double(), weight.detach().double()
     b64 = bias.detach().double() if bias is not None else None
@@ -75,7 +77,8 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
         g = g.detach().reshape(-1, g.shape[-1])
         grads = [(g @ w64).view_as(x64), g.t() @ x64.reshape(-1, x64.shape[-1]), g.sum(0)]
-        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0])
+        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0], logits.detach(),
+                                                         logit_scale=logit_scale)
     if x.dtype == torch.float32:
         leaves = [t.clone().requires_grad_() for t in (x64, w64) + ((b64,) if b64 is not None else ())]
         logits = leaves[0] @ leaves[1].t() + (leaves[2] if b64 is not None else 0)
@@ -84,7 +87,8 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q
         grads = [grad.detach() for grad in grads]
         logits_error = 4 * 2.0**-24 * x64.shape[-1] * (x64.reshape(-1, x64.shape[-1]).abs() @ w64.abs().t())
-        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0], logits, logits_error)
+        return loss.detach(), aux, grads, fp32_allowance(grad_q, q, x64, w64, weight.shape[0], logits, logits_error,
+                                                         logit_scale)
     logits = engine_logits(x, weight, bias, plan).double().requires_grad_()
     loss, aux, _ = loss_of_logits(logits, ref_logits)
     (g,) = torch.autograd.grad(loss, logits)
@@ -95,7 +99,7 @@ def reference_grads(loss_of_logits, x, weight, bias, plan, ref_logits=None, fp32
     return loss.detach(), aux, grads, bounds
 
 
-def fp32_allowance(grad_q, q, x64, w64, vocab, logits=None, logits_error=None):
+def fp32_allowance(grad_q, q, x64, w64, vocab, logits=None, logits_error=None, logit_scale=1.0):
     """:func:`fp32_cancellation` plus what the float32 per-token quantities' own rounding does to
     the loss's slope: the engine's ``q`` is off by up to ``e = 4u (1 + log V)(1 + |q|)`` an entry,
     which moves ``c = dL/dq`` by up to ``|H| e`` (``H`` the loss's Hessian in ``q``, float64;
@@ -107,13 +111,13 @@ def fp32_allowance(grad_q, q, x64, w64, vocab, logits=None, logits_error=None):
     the float32 GEMM's rounding of each logit (``logits_error``, (rows, V)) through ``|dq/dz|``."""
     import math
 
-    base = fp32_cancellation(grad_q.detach(), x64, w64, vocab)
+    base = fp32_cancellation(grad_q.detach(), x64, w64, vocab, logits, logit_scale)
     if not grad_q.requires_grad:  # the loss is linear in q
         return base
     flat_grad = grad_q.reshape(-1)
     hessian = torch.stack([_hessian_row(flat_grad[i], q) for i in range(flat_grad.numel())])
     error_q = 4 * 2.0**-24 * (1 + math.log(vocab)) * (1 + q.detach().abs().reshape(-1))
-    if logits is not None:
+    if logits_error is not None:
         error_q = error_q + _propagated_logits_error(q, logits, logits_error)
     delta_c = (hessian.abs() @ error_q).view_as(q).sum(-1).reshape(-1)
     xr = x64.reshape(-1, x64.shape[-1]).abs()
@@ -142,7 +146,7 @@ def _hessian_row(grad_entry, q):
     return torch.zeros(q.numel(), dtype=q.dtype, device=q.device) if row is None else row.reshape(-1)
 
 
-def fp32_cancellation(grad_q, x64, w64, vocab):
+def fp32_cancellation(grad_q, x64, w64, vocab, logits=None, logit_scale=1.0):
     """Per-entry float32 allowance for cancellation inside a chunk's logit gradient.
 
     A row's logit gradient is ``sum_k c_rk dq_rk/dz_r`` with ``c = dL/dq``; each derivative of a
@@ -155,10 +159,15 @@ def fp32_cancellation(grad_q, x64, w64, vocab):
     import math
 
     unit = 4 * 2.0**-24 * (1 + math.log(vocab))
-    c = grad_q.detach().abs().sum(-1).reshape(-1)
+    if logits is not None:
+        # ``s_y - lse`` of the scaled logits ``s`` is rounded to ulps of ``|lse| <= max|s| + log V``,
+        # and ``dq/dz`` carries the scale once more.
+        largest = logits.detach().reshape(-1, logits.shape[-1]).abs().amax(-1) * logit_scale
+        unit = 4 * 2.0**-24 * (1 + math.log(vocab) + 2 * largest) * logit_scale
+    c = unit * grad_q.detach().abs().sum(-1).reshape(-1)
     xr = x64.reshape(-1, x64.shape[-1]).abs()
-    return [(unit * c * float(w64.abs().max())).view(*x64.shape[:2], 1).expand_as(x64),
-            (unit * (c @ xr)).expand_as(w64), (unit * c.sum()).expand(w64.shape[0])]
+    return [(c * float(w64.abs().max())).view(*x64.shape[:2], 1).expand_as(x64),
+            (c @ xr).expand_as(w64), c.sum().expand(w64.shape[0])]
 
 
 def distillation_fp32_allowance(student_logits, teacher_logits, labels, soft_terms, weight_hard_loss,

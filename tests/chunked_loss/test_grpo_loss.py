@@ -90,20 +90,21 @@ def run_case(dtype=torch.float32, shape=(4, 6, 16, 37), with_bias=True, temperat
         ref_logits = engine_logits(as_groups(head[0], flat), *head[1:], plan).double().view(batch, seq_len, -1)
 
     def loss_of_logits(logits, ref_z):
-        logp = selected_logprobs(logits, ids, temperature)
+        q = selected_logprobs(logits, ids, temperature).unsqueeze(-1)  # the loss is a function of q
+        logp = q[..., 0]
         ref_logp = {"given": ref, "none": None}.get(ref_mode)
         if ref_mode == "head":
             ref_logp = selected_logprobs(ref_z, ids, temperature)
         vllm_ref = vllm_ratio[:, None] if vllm_ratio is not None and vllm_ratio.dim() == 1 else vllm_ratio
         value, aux = grpo_reference(logp, mask, adv, old, ref_logp, vllm_ref, num_items, **reference_options(options))
-        return value, aux, logp.unsqueeze(-1)
+        return value, aux, q
 
     def loss_of_engine_logits(logits, ref_z):
-        value, aux, q = loss_of_logits(logits.view(batch, seq_len, -1), ref_z)
-        return value, aux, q.view(*logits.shape[:2], 1)
+        # q as the loss used it (a view made afterwards would get no gradient, and no allowance)
+        return loss_of_logits(logits.view(batch, seq_len, -1), ref_z)
 
     loss_ref, metrics_ref, grads_ref, bounds = reference_grads(loss_of_engine_logits, as_groups(x, flat), weight,
-                                                               bias, plan, ref_logits)
+                                                               bias, plan, ref_logits, logit_scale=1 / temperature)
     grads_ref[0], bounds[0] = grads_ref[0].view(x.shape), bounds[0].reshape(x.shape)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert_loss_match(loss, loss_ref)
@@ -271,11 +272,12 @@ def test_subclass_of_the_ppo_base():
     loss.backward()
 
     def loss_of_logits(logits, _):
-        logp = selected_logprobs(logits, ids, 1.3)
+        q = selected_logprobs(logits, ids, 1.3).unsqueeze(-1)  # the loss is a function of q
+        logp = q[..., 0]
         value = -(adv.double()[:, None] * logp * mask).sum() * 0.7 / x.shape[0]
-        return value, ((logp * mask).sum() / mask.sum(),), logp.unsqueeze(-1)
+        return value, ((logp * mask).sum() / mask.sum(),), q
 
-    loss_ref, (logp_ref,), grads_ref, bounds = reference_grads(loss_of_logits, x, weight, bias, plan)
+    loss_ref, (logp_ref,), grads_ref, bounds = reference_grads(loss_of_logits, x, weight, bias, plan, logit_scale=1 / 1.3)
     assert_loss_match(loss, loss_ref)
     assert_loss_match(mean_logp, logp_ref.detach(), "metric")
     assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges))
