@@ -112,8 +112,9 @@ def check_dpo_options(loss_type: str | Sequence[str], label_smoothing: float,
         raise ValueError(f"ld_alpha must lie in [0, 1], got {ld_alpha}")
     if ld_alpha is not None and average_log_prob:
         raise ValueError("ld_alpha weighs summed log-probs; it does not combine with average_log_prob=True")
-    if use_weighting and set(types) & {"sft", *BATCH_SORTED_TYPES}:
-        raise ValueError(f"use_weighting (WPO) does not apply to {', '.join(sorted(set(types) & {'sft', *BATCH_SORTED_TYPES}))}")
+    unweighted = sorted(set(types) & {"sft", *BATCH_SORTED_TYPES})
+    if use_weighting and unweighted:
+        raise ValueError(f"use_weighting (WPO) does not apply to {', '.join(unweighted)}")
     if "exo_pair" in types and not 0.0 < label_smoothing < 1.0:
         raise ValueError("loss_type='exo_pair' needs 0 < label_smoothing < 1 (the EXO paper uses 1e-3)")
     if "robust" in types and not 0.0 <= label_smoothing < 0.5:

@@ -124,8 +124,8 @@ def preference_head_forward(ctx, bias_position: int, _input, weight, bias, ignor
              bias is not None and bool(ctx.needs_input_grad[bias_position]))
     ref_input, ref_weight, ref_bias = ref_head or (None, None, None)
     loss, metrics, grads = chunked_head_loss_and_grads(
-        _input, weight, bias, TargetLogProbs(ignore_index, log_sum_sq_probs=log_sum_sq_probs), group_fn, token_args=token_args,
-        group_args=group_args, ref_x=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, paired=paired,
+        _input, weight, bias, TargetLogProbs(ignore_index, log_sum_sq_probs=log_sum_sq_probs), group_fn,
+        token_args=token_args, group_args=group_args, ref_x=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, paired=paired,
         additive=additive, needs=needs)
     save_head_grads(ctx, grads)
     return loss, metrics

@@ -32,9 +32,9 @@ and the loss, with B the batch size and T its padded completion length::
 Metrics, as TRL's GRPOTrainer reads them (``metrics[0]`` the KL when ``beta != 0``,
 ``metrics[-1]`` the clip ratio): ``(mean_kl, clip_ratio)`` or ``(clip_ratio,)``: ``kl`` as it
 enters the loss (times ``r`` with ``use_bias_correction_kl``), a mean over the batch's counted
-tokens, and the fraction of tokens (with ``importance_sampling_level="sequence"``, of the batch's
-sequences, as TRL counts it) whose ratio is clipped in the direction of their advantage (``r < 1 - eps_low`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``;
-for cispo ``r > eps_high`` with ``A > 0``; always 0 for sapo and vespo).
+tokens, and the fraction of tokens (with ``importance_sampling_level="sequence"``, of the
+batch's sequences, as TRL counts it) whose ratio is clipped in the direction of their advantage
+(``r < 1 - eps_low`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``; for cispo ``r > eps_high`` with ``A > 0``; always 0 for sapo and vespo).
 
 Deviations from TRL / the best-known library, on purpose:
 * ``compiled`` and ``chunk_size`` are accepted and ignored: chunks are sized by the engine's
