@@ -22,6 +22,7 @@ from tests.chunked_loss.reference import (
     engine_plan,
     grpo_reference,
     reference_grads,
+    rounded_leaf,
     selected_logprobs,
 )
 from tests.utils import DEVICE
@@ -94,20 +95,22 @@ def run_case(dtype=torch.float32, shape=(4, 6, 16, 37), with_bias=True, temperat
         logp = q[..., 0]
         ref_logp = {"given": ref, "none": None}.get(ref_mode)
         if ref_mode == "head":
-            ref_logp = selected_logprobs(ref_z, ids, temperature)
+            ref_logp = rounded_leaf(selected_logprobs(ref_z, ids, temperature))
         vllm_ref = vllm_ratio[:, None] if vllm_ratio is not None and vllm_ratio.dim() == 1 else vllm_ratio
-        value, aux = grpo_reference(logp, mask, adv, old, ref_logp, vllm_ref, num_items, **reference_options(options))
-        return value, aux, q
+        weights_from = rounded_leaf(logp, copy_of_q=True)
+        value, aux = grpo_reference(logp, mask, adv, old, ref_logp, vllm_ref, num_items, **reference_options(options),
+                                    weights_from=weights_from)
+        return value, aux, (q, weights_from, ref_logp) if ref_mode == "head" else (q, weights_from)
 
     def loss_of_engine_logits(logits, ref_z):
         # q as the loss used it (a view made afterwards would get no gradient, and no allowance)
         return loss_of_logits(logits.view(batch, seq_len, -1), ref_z)
 
-    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(loss_of_engine_logits, as_groups(x, flat), weight,
-                                                               bias, plan, ref_logits, logit_scale=1 / temperature)
+    loss_ref, metrics_ref, grads_ref, bounds, loss_allowance = reference_grads(
+        loss_of_engine_logits, as_groups(x, flat), weight, bias, plan, ref_logits, logit_scale=1 / temperature)
     grads_ref[0], bounds[0] = grads_ref[0].view(x.shape), bounds[0].reshape(x.shape)
     assert loss.dtype == torch.float32 and loss.dim() == 0
-    assert_loss_match(loss, loss_ref)
+    assert_loss_match(loss, loss_ref, allowance=loss_allowance)
     assert len(metrics) == len(metrics_ref) == (2 if options["beta"] != 0 else 1)
     for got, want in zip(metrics, metrics_ref):
         assert not got.requires_grad
@@ -277,8 +280,9 @@ def test_subclass_of_the_ppo_base():
         value = -(adv.double()[:, None] * logp * mask).sum() * 0.7 / x.shape[0]
         return value, ((logp * mask).sum() / mask.sum(),), q
 
-    loss_ref, (logp_ref,), grads_ref, bounds = reference_grads(loss_of_logits, x, weight, bias, plan, logit_scale=1 / 1.3)
-    assert_loss_match(loss, loss_ref)
+    loss_ref, (logp_ref,), grads_ref, bounds, loss_allowance = reference_grads(loss_of_logits, x, weight, bias, plan,
+                                                                               logit_scale=1 / 1.3)
+    assert_loss_match(loss, loss_ref, allowance=loss_allowance)
     assert_loss_match(mean_logp, logp_ref.detach(), "metric")
     assert_grads_match(leaves, grads_ref, bounds, len(plan.row_ranges))
 

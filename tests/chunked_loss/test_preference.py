@@ -31,6 +31,7 @@ from tests.chunked_loss.reference import (
     engine_logits,
     engine_plan,
     reference_grads,
+    rounded_leaf,
 )
 from tests.utils import DEVICE
 
@@ -72,10 +73,24 @@ def leaves_of(x, weight, bias):
 
 
 def token_logps(logits, labels):
-    """(B, T) log p(label) (0 where ignored), (B, T) counted mask."""
+    """(B, T) log p(label) (0 where ignored), (B, T) counted mask. A reference computes its loss
+    from these log-probs and returns them as its per-token quantities ``q``."""
     counted = labels != IGNORE
     logp = logits.log_softmax(-1).gather(-1, torch.where(counted, labels, 0).unsqueeze(-1)).squeeze(-1)
     return logp * counted, counted
+
+
+def ref_token_logps(ref_logits, labels):
+    """The reference head's (B, T) token log-probs as a float64 leaf (:func:`rounded_leaf`: the
+    engine computes them in float32), and the counted mask."""
+    tok, counted = token_logps(ref_logits, labels)
+    return rounded_leaf(tok) * counted, counted
+
+
+def with_ref(q, ref_tok):
+    """What a reference returns as its per-token quantities: ``q``, and the reference head's
+    token log-probs where the loss used them."""
+    return q if ref_tok is None else (q, ref_tok)
 
 
 def seq_logps(tok, counted, average):
@@ -140,11 +155,11 @@ def reference_dpo_losses(c, r, beta, loss_type, ls, tau, n_c, n_r, f_divergence=
     raise AssertionError(loss_type)
 
 
-def chosen_nll(logits, labels):
-    """Mean NLL over the chosen half's counted tokens (TRL's ``cross_entropy`` on the chosen labels)."""
-    half = labels.shape[0] // 2
-    tok, counted = token_logps(logits[:half], labels[:half])
-    return -tok.sum() / counted.sum().clamp_min(1)
+def chosen_nll(tok, counted):
+    """Mean NLL over the chosen half's counted tokens (TRL's ``cross_entropy`` on the chosen
+    labels), of :func:`token_logps`' outputs."""
+    half = tok.shape[0] // 2
+    return -tok[:half].sum() / counted[:half].sum().clamp_min(1)
 
 
 def pair_metrics(logits, logps, vocab):
@@ -170,10 +185,10 @@ def check(module_call, reference_loss, x, weight, bias, paired, chunk_rows, ref_
     upstream = float(torch.rand(()) + 0.5)
     (loss * upstream).backward()
     ref_logits = engine_logits(*ref_head, plan).double() if ref_head is not None else None
-    loss_ref, metrics_ref, grads_ref, bounds = reference_grads(reference_loss, x, weight, bias, plan, ref_logits,
-                                                               fp32_at_engine_logits=at_engine_logits)
+    loss_ref, metrics_ref, grads_ref, bounds, loss_allowance = reference_grads(
+        reference_loss, x, weight, bias, plan, ref_logits, fp32_at_engine_logits=at_engine_logits)
     assert loss.dtype == torch.float32 and loss.dim() == 0
-    assert_loss_match(loss, loss_ref)
+    assert_loss_match(loss, loss_ref, allowance=loss_allowance)
     assert len(metrics) == len(metrics_ref), (len(metrics), len(metrics_ref))
     for i, (got, want) in enumerate(zip(metrics, metrics_ref)):
         assert not got.requires_grad and got.shape == want.shape, (i, got.shape, want.shape)
@@ -208,11 +223,12 @@ def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precompute
         tok, counted = token_logps(logits, target)
         logps = seq_logps(tok, counted, average)
         half = target.shape[0] // 2
-        ref = torch.zeros_like(logps)
+        ref, ref_tok = torch.zeros_like(logps), None
         if use_ref and precomputed is not None:
             ref = torch.cat(precomputed).double()
         elif use_ref:
-            ref = seq_logps(*token_logps(ref_logits, target), average)
+            ref_tok, ref_counted = ref_token_logps(ref_logits, target)
+            ref = seq_logps(ref_tok, ref_counted, average)
         c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
         margins = (logps[:half] - logps[half:], ref[:half] - ref[half:])
         counts = counted.sum(-1).double()
@@ -220,14 +236,14 @@ def dpo_reference(target, beta, loss_type, ls, tau, average, use_ref, precompute
         loss = logits.new_zeros(())
         for name, weight in zip(types, weights):
             if name == "sft":
-                loss = loss + weight * chosen_nll(logits, target)
+                loss = loss + weight * chosen_nll(tok, counted)
             else:
                 loss = loss + weight * reference_dpo_losses(c, r, beta, name, ls, tau, n_c, n_r, f_divergence,
                                                             margins).mean()
         # The NLL metric is the chosen tokens' NLL whenever it enters the loss (compute_nll_loss or sft).
-        nll_loss = chosen_nll(logits, target) if nll or "sft" in types else logits.new_zeros(())
+        nll_loss = chosen_nll(tok, counted) if nll or "sft" in types else logits.new_zeros(())
         metrics = pair_metrics(logits, logps, logits.shape[-1]) + [nll_loss, beta * c, beta * r]
-        return loss + (alpha * chosen_nll(logits, target) if nll else 0.0), metrics, tok.unsqueeze(-1)
+        return loss + (alpha * chosen_nll(tok, counted) if nll else 0.0), metrics, with_ref(tok, ref_tok)
 
     return loss_of_logits
 
@@ -349,19 +365,20 @@ def wpo_reference(target, beta, loss_type, loss_weights, average):
     types = [loss_type] if isinstance(loss_type, str) else loss_type
 
     def loss_of_logits(logits, ref_logits):
-        _, metrics, q = inner(logits, ref_logits)
+        _, metrics, _ = inner(logits, ref_logits)
         tok, counted = token_logps(logits, target)
         log_sum_sq = torch.logsumexp(2 * logits.log_softmax(-1), -1)
         weights = torch.exp(((tok - log_sum_sq) * counted).sum(-1) / counted.sum(-1).clamp_min(1)).detach()
         half = target.shape[0] // 2
         logps = seq_logps(tok, counted, average)
-        ref = seq_logps(*token_logps(ref_logits, target), average)
+        ref_tok, ref_counted = ref_token_logps(ref_logits, target)
+        ref = seq_logps(ref_tok, ref_counted, average)
         c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
         counts = counted.sum(-1).double()
         n_c, n_r = (torch.ones_like(c), torch.ones_like(r)) if average else (counts[:half], counts[half:])
         per_pair = sum(w * reference_dpo_losses(c, r, beta, name, 0.0, 0.05, n_c, n_r)
                        for name, w in zip(types, loss_weights or [1.0] * len(types)))
-        return (per_pair * weights[:half] * weights[half:]).mean(), metrics, q
+        return (per_pair * weights[:half] * weights[half:]).mean(), metrics, with_ref(tok, ref_tok)
 
     return loss_of_logits
 
@@ -385,8 +402,8 @@ def ld_dpo_reference(target, beta, loss_type, ld_alpha):
     """TRL's DPO with ``ld_alpha`` (LD-DPO): in both heads' summed log-probs, the tokens of a
     sequence past the completion length its pair shares (the shorter one's) weigh ``ld_alpha``."""
 
-    def weighted_logps(logits):
-        tok, counted = token_logps(logits, target)
+    def weighted_logps(logits, reference_head=False):
+        tok, counted = ref_token_logps(logits, target) if reference_head else token_logps(logits, target)
         position = counted.long().cumsum(-1)
         lengths = counted.sum(-1)
         half = target.shape[0] // 2
@@ -397,14 +414,14 @@ def ld_dpo_reference(target, beta, loss_type, ld_alpha):
 
     def loss_of_logits(logits, ref_logits):
         logps, tok, counted = weighted_logps(logits)
-        ref = weighted_logps(ref_logits)[0]
+        ref, ref_tok, _ = weighted_logps(ref_logits, reference_head=True)
         half = target.shape[0] // 2
         c, r = logps[:half] - ref[:half], logps[half:] - ref[half:]
         counts = counted.sum(-1).double()
         loss = reference_dpo_losses(c, r, beta, loss_type, 0.0, 0.05, counts[:half], counts[half:]).mean()
         metrics = pair_metrics(logits, logps, logits.shape[-1]) + [logits.new_zeros(()), beta * c,
                                                                    beta * r]
-        return loss, metrics, tok.unsqueeze(-1)
+        return loss, metrics, with_ref(tok, ref_tok)
 
     return loss_of_logits
 
@@ -441,16 +458,19 @@ def test_orpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, with_nll_target
 
     def reference(logits, _):
         tok, counted = token_logps(logits, target)
+        q = tok
+        nll_tok, nll_counted = tok, counted
+        if nll_target is not None:  # the NLL's tokens are a second per-token quantity
+            nll_tok, nll_counted = token_logps(logits, nll_target)
+            q = torch.stack([tok, nll_tok], -1)
+            tok, nll_tok = q[..., 0], q[..., 1]
         logps = seq_logps(tok, counted, True)
         half = n_seqs // 2
         c, r = logps[:half], logps[half:]
         log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
         ratio = F.logsigmoid(log_odds)
-        nll = chosen_nll(logits, target if nll_target is None else nll_target)
+        nll = chosen_nll(nll_tok, nll_counted)
         metrics = pair_metrics(logits, logps, vocab) + [nll, beta * c, beta * r, ratio.mean(), log_odds.mean()]
-        q = tok.unsqueeze(-1)
-        if nll_target is not None:
-            q = torch.stack([tok, token_logps(logits, nll_target)[0]], -1)
         return nll - beta * ratio.mean(), metrics, q
 
     check(lambda xi, w, b: loss_fn(w, xi, target, b, nll_target=nll_target), reference, x, weight, bias, True,
@@ -479,9 +499,9 @@ def test_simpo(dtype, n_seqs, seq_len, hidden, vocab, chunk_rows, label_smoothin
         rewards = reference_alphapo_reward(logps, alphapo_alpha)
         h = beta * (rewards[:half] - rewards[half:]) - gamma
         loss = (-F.logsigmoid(h) * (1 - label_smoothing) - F.logsigmoid(-h) * label_smoothing).mean()
-        nll = chosen_nll(logits, target) if compute_nll_loss else logits.new_zeros(())
+        nll = chosen_nll(tok, counted) if compute_nll_loss else logits.new_zeros(())
         metrics = pair_metrics(logits, logps, vocab) + [nll, beta * rewards[:half], beta * rewards[half:]]
-        return loss + alpha * nll, metrics, tok.unsqueeze(-1)
+        return loss + alpha * nll, metrics, tok
 
     check(lambda xi, w, b: loss_fn(w, xi, target, b), reference, x, weight, bias, True, chunk_rows)
 
@@ -511,9 +531,9 @@ def test_cpo(loss_type, dtype, alphapo_alpha, average_log_prob):
             losses = torch.relu(1 - beta * d)
         else:
             losses = (d - 1 / (2 * beta)) ** 2
-        nll = chosen_nll(logits, target)
+        nll = chosen_nll(tok, counted)
         metrics = pair_metrics(logits, logps, vocab) + [nll, beta * rewards[:half], beta * rewards[half:]]
-        return losses.mean() + alpha * nll, metrics, tok.unsqueeze(-1)
+        return losses.mean() + alpha * nll, metrics, tok
 
     check(lambda xi, w, b: loss_fn(w, xi, target, b), reference, x, weight, bias, True, chunk_rows)
 
@@ -527,11 +547,12 @@ def kto_reference(target, labels, beta, kl, w_d, w_u, use_ref, average, precompu
     def loss_of_logits(logits, ref_logits):
         tok, counted = token_logps(logits, target)
         logps = seq_logps(tok, counted, average)
-        ref = torch.zeros_like(logps)
+        ref, ref_tok = torch.zeros_like(logps), None
         if precomputed is not None:
             ref = precomputed.double()
         elif use_ref:
-            ref = seq_logps(*token_logps(ref_logits, target), average)
+            ref_tok, ref_counted = ref_token_logps(ref_logits, target)
+            ref = seq_logps(ref_tok, ref_counted, average)
         rho = logps - ref
         k = float(kl) if kl is not None else 0.0
         chosen = rho[labels]
@@ -542,7 +563,7 @@ def kto_reference(target, labels, beta, kl, w_d, w_u, use_ref, average, precompu
         row_sums = logits.sum(-1).sum(-1)
         metrics = [logps[labels].sum(), logps[~labels].sum(), row_sums[labels].sum(), row_sums[~labels].sum(),
                    (beta * chosen).sum(), (beta * rejected).sum()]
-        return losses.mean(), metrics, tok.unsqueeze(-1)
+        return losses.mean(), metrics, with_ref(tok, ref_tok)
 
     return loss_of_logits
 

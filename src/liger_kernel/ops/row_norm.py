@@ -440,6 +440,22 @@ def _row_norm_grad_terms(dy_raw, x_raw, X, w, mask, mean, rstd,
 
 
 @triton.jit
+def _row_norm_grad_column_tile(dy_rows, x_rows, W, X, start, n_cols, row_mask, mean, rstd, offset,
+                               BLOCK_COLS: tl.constexpr, CENTER: tl.constexpr, CASTING: tl.constexpr,
+                               ROUND_BY_HAND: tl.constexpr):
+    """The columns ``[start, start + BLOCK_COLS)`` of a tile of rows wider than one block: their
+    column and element masks and the gradient terms of :func:`_row_norm_grad_terms`."""
+    cols = start + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)
+    dy, xhat, g, xhat_w = _row_norm_grad_terms(
+        tl.load(dy_rows + cols[None, :], mask=mask, other=0.0), tl.load(x_rows + cols[None, :], mask=mask, other=0.0),
+        X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
+    return cols, col_mask, mask, dy, xhat, g, xhat_w
+
+
+@triton.jit
 def row_norm_backward_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
@@ -553,14 +569,9 @@ def row_norm_backward_kernel(
             proj_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
             g_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_COLS):
-                cols = start + tl.arange(0, BLOCK_COLS)
-                col_mask = cols < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)
-                dy, xhat, g, xhat_w = _row_norm_grad_terms(
-                    tl.load(dy_rows + cols[None, :], mask=mask, other=0.0),
-                    tl.load(x_rows + cols[None, :], mask=mask, other=0.0),
-                    X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
+                cols, col_mask, mask, dy, xhat, g, xhat_w = _row_norm_grad_column_tile(
+                    dy_rows, x_rows, W, X, start, n_cols, row_mask, mean, rstd, offset, BLOCK_COLS, CENTER, CASTING,
+                    ROUND_BY_HAND)
                 proj_acc += g * xhat
                 if CENTER:
                     g_acc += g
@@ -570,14 +581,9 @@ def row_norm_backward_kernel(
             # read-modify-write needs no atomics; the first tile overwrites garbage).
             first = tile == pid
             for start in range(0, n_cols, BLOCK_COLS):
-                cols = start + tl.arange(0, BLOCK_COLS)
-                col_mask = cols < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)
-                dy, xhat, g, xhat_w = _row_norm_grad_terms(
-                    tl.load(dy_rows + cols[None, :], mask=mask, other=0.0),
-                    tl.load(x_rows + cols[None, :], mask=mask, other=0.0),
-                    X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
+                cols, col_mask, mask, dy, xhat, g, xhat_w = _row_norm_grad_column_tile(
+                    dy_rows, x_rows, W, X, start, n_cols, row_mask, mean, rstd, offset, BLOCK_COLS, CENTER, CASTING,
+                    ROUND_BY_HAND)
                 dx = g - xhat * proj[:, None]
                 if CENTER:
                     dx -= g_mean[:, None]

@@ -107,19 +107,24 @@ class MLPSpec:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """Everything the patching code needs to know about one ``config.model_type``."""
+    """Everything the patching code needs to know about one ``config.model_type``
+    (``modeling_module`` defaults to ``transformers.models.<model_type>.modeling_<model_type>``)."""
 
     model_type: str
-    modeling_module: str
     causal_lm_class: str
     norm: NormSpec
     mlp: MLPSpec
+    modeling_module: str = ""
     rotary_fn: str = "apply_rotary_pos_emb"
     # Config attribute holding a tanh soft-cap applied to the final logits (None: no soft-cap).
     logit_softcap_attr: str | None = None
     # Module-level function of the modeling file computing the router auxiliary loss; the
     # forward adds ``config.router_aux_loss_coef * aux`` to the loss when router logits are asked.
     router_aux_loss_fn: str | None = None
+
+    def __post_init__(self):
+        if not self.modeling_module:
+            object.__setattr__(self, "modeling_module", _modeling(self.model_type))
 
     @property
     def is_moe(self) -> bool:
@@ -137,80 +142,34 @@ _GEGLU = dict(
 )
 _GEMMA_NORM = dict(offset=1.0, casting_mode="gemma", init_fn="zeros", eps_attr="eps")
 
+_GEMMA2_NORM_ATTRS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm")
+_QWEN3_NORM_ATTRS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+
 FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
     for family in (
+        ModelFamily("llama", "LlamaForCausalLM", NormSpec("LlamaRMSNorm"), MLPSpec("LlamaMLP", **_SWIGLU)),
+        ModelFamily("mistral", "MistralForCausalLM", NormSpec("MistralRMSNorm"), MLPSpec("MistralMLP", **_SWIGLU)),
         ModelFamily(
-            model_type="llama",
-            modeling_module=_modeling("llama"),
-            causal_lm_class="LlamaForCausalLM",
-            norm=NormSpec("LlamaRMSNorm"),
-            mlp=MLPSpec("LlamaMLP", **_SWIGLU),
-        ),
-        ModelFamily(
-            model_type="mistral",
-            modeling_module=_modeling("mistral"),
-            causal_lm_class="MistralForCausalLM",
-            norm=NormSpec("MistralRMSNorm"),
-            mlp=MLPSpec("MistralMLP", **_SWIGLU),
-        ),
-        ModelFamily(
-            model_type="mixtral",
-            modeling_module=_modeling("mixtral"),
-            causal_lm_class="MixtralForCausalLM",
-            norm=NormSpec("MixtralRMSNorm", consumer_classes=("MixtralTopKRouter",)),
-            mlp=MLPSpec("MixtralExperts", kind="experts", option="swiglu", experts_attr="experts"),
+            "mixtral", "MixtralForCausalLM", NormSpec("MixtralRMSNorm", consumer_classes=("MixtralTopKRouter",)),
+            MLPSpec("MixtralExperts", kind="experts", option="swiglu", experts_attr="experts"),
             router_aux_loss_fn="load_balancing_loss_func",
         ),
+        ModelFamily("gemma", "GemmaForCausalLM", NormSpec("GemmaRMSNorm", **_GEMMA_NORM), MLPSpec("GemmaMLP", **_GEGLU)),
         ModelFamily(
-            model_type="gemma",
-            modeling_module=_modeling("gemma"),
-            causal_lm_class="GemmaForCausalLM",
-            norm=NormSpec("GemmaRMSNorm", **_GEMMA_NORM),
-            mlp=MLPSpec("GemmaMLP", **_GEGLU),
-        ),
-        ModelFamily(
-            model_type="gemma2",
-            modeling_module=_modeling("gemma2"),
-            causal_lm_class="Gemma2ForCausalLM",
-            norm=NormSpec(
-                "Gemma2RMSNorm",
-                layer_attrs=(
-                    "input_layernorm", "post_attention_layernorm",
-                    "pre_feedforward_layernorm", "post_feedforward_layernorm",
-                ),
-                in_place=False,
-                **_GEMMA_NORM,
-            ),
-            mlp=MLPSpec("Gemma2MLP", activation_attr="hidden_activation", **_GEGLU),
+            "gemma2", "Gemma2ForCausalLM",
+            NormSpec("Gemma2RMSNorm", layer_attrs=_GEMMA2_NORM_ATTRS, in_place=False, **_GEMMA_NORM),
+            MLPSpec("Gemma2MLP", activation_attr="hidden_activation", **_GEGLU),
             logit_softcap_attr="final_logit_softcapping",
         ),
+        ModelFamily("qwen2", "Qwen2ForCausalLM", NormSpec("Qwen2RMSNorm"), MLPSpec("Qwen2MLP", **_SWIGLU)),
+        ModelFamily("qwen3", "Qwen3ForCausalLM", NormSpec("Qwen3RMSNorm", layer_attrs=_QWEN3_NORM_ATTRS),
+                    MLPSpec("Qwen3MLP", **_SWIGLU)),
         ModelFamily(
-            model_type="qwen2",
-            modeling_module=_modeling("qwen2"),
-            causal_lm_class="Qwen2ForCausalLM",
-            norm=NormSpec("Qwen2RMSNorm"),
-            mlp=MLPSpec("Qwen2MLP", **_SWIGLU),
-        ),
-        ModelFamily(
-            model_type="qwen3",
-            modeling_module=_modeling("qwen3"),
-            causal_lm_class="Qwen3ForCausalLM",
-            norm=NormSpec(
-                "Qwen3RMSNorm",
-                layer_attrs=("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"),
-            ),
-            mlp=MLPSpec("Qwen3MLP", **_SWIGLU),
-        ),
-        ModelFamily(
-            model_type="phi3",
-            modeling_module=_modeling("phi3"),
-            causal_lm_class="Phi3ForCausalLM",
-            norm=NormSpec("Phi3RMSNorm"),
-            mlp=MLPSpec(
-                "Phi3MLP", kind="phi3_swiglu", option="swiglu", liger_module="swiglu",
-                liger_class="LigerPhi3SwiGLUMLP",
-            ),
+            "phi3", "Phi3ForCausalLM", NormSpec("Phi3RMSNorm"),
+            MLPSpec("Phi3MLP", kind="phi3_swiglu", option="swiglu", liger_module="swiglu",
+                    liger_class="LigerPhi3SwiGLUMLP"),
         ),
     )
 }
