@@ -1,38 +1,51 @@
 """Rotary position embedding (RoPE) of q and k in one Triton pass each way.
 
-Matches Hugging Face's ``apply_rotary_pos_emb`` (rotate-half convention, as in Llama,
-Mistral, Qwen, Gemma and Phi-3)::
+Matches Hugging Face's ``apply_rotary_pos_emb`` in the rotate-half convention (Llama,
+Mistral, Qwen, Gemma, Phi-3)::
 
     rotate_half(x) = cat(-x2, x1)          x1 = x[..., :R/2], x2 = x[..., R/2:R]
     q_embed = q * cos + rotate_half(q) * sin
 
+and in the other layouts HF's models use (``RopeLayout``). Every layout rotates R/2 pairs of
+channels (a_c, b_c), c < R/2, each by its own table entries:
+
+* pairs: rotate-half (a_c, b_c) = (c, c + R/2); ``interleaved`` (GPT-J style, GLM, Cohere)
+  (a_c, b_c) = (2c, 2c + 1), i.e. ``rotate_every_two(x) = stack(-x[1::2], x[::2]).flatten()``;
+* table of width W (``table``): ``full`` W = R, channel j reads entry j (cos1_c = cos[a_c],
+  cos2_c = cos[b_c]); ``pair`` W = R/2, both members read entry c (cos1_c = cos2_c = cos[c],
+  gpt-oss's half-size tables, HF's ``cos.repeat_interleave(2)`` of GPT-J); ``first_half`` W = R,
+  both members read entry c < R/2 (GLM's ``cos[..., :R/2].repeat_interleave(2)``);
+* ``negate_sin``: the rotation by -theta, sin -> -sin (``rotate_half(x) = cat(x2, -x1)``).
+
 Shapes. With ``unsqueeze_dim=1`` q is (B, Hq, T, D) and k is (B, Hk, T, D) (Hq != Hk for
 grouped-query attention); with ``unsqueeze_dim=2`` they are (B, T, Hq, D) / (B, T, Hk, D).
-``cos`` and ``sin`` are (Bc, Tc, R) with Bc in {1, B} and Tc in {1, T} (a (T, R) table
+``cos`` and ``sin`` are (Bc, Tc, W) with Bc in {1, B} and Tc in {1, T} (a (T, W) table
 counts as Bc = 1), broadcast over the heads. q and k may have any strides with a unit-stride last dimension -
 transposed views of (B, T, H, D) projections and slices of a fused qkv projection (Phi-3)
 are read in place; all four strides go to the kernel. Only a q/k/cos/sin whose last
 dimension is not unit-stride is copied first.
 
-Partial rotary (``R < D``, Phi-3's ``partial_rotary_factor``): as HF's Phi-3 code, the first
-R channels are rotated (rotate_half over those R channels, halves of R/2) and channels
-R..D-1 are passed through unchanged. R must be even.
+Partial rotary (``R < D``, Phi-3's ``partial_rotary_factor``, GLM): as HF's code, the first
+R channels are rotated (pairs formed within those R channels) and channels R..D-1 are passed
+through unchanged. R must be even.
 
-Forward, per position (b, t), every head h, c < R/2, in fp32::
+Forward, per position (b, t), every head h, pair c < R/2, in fp32, with x1 = x[a_c],
+x2 = x[b_c] (sin1, sin2 negated first under ``negate_sin``)::
 
-    y1 = x1 * cos1 - x2 * sin1         (cos1 = cos[..., :R/2], cos2 = cos[..., R/2:R], same for sin)
-    y2 = x2 * cos2 + x1 * sin2
+    y[a_c] = x1 * cos1 - x2 * sin1     (rotate-half, full table: cos1 = cos[..., :R/2], cos2 = cos[..., R/2:R])
+    y[b_c] = x2 * cos2 + x1 * sin2
     y_pass = x_pass
 
-Backward is the transpose of that linear map, dx = dy * cos + rotate_half^T(dy * sin) with
-rotate_half^T(z) = cat(z2, -z1), i.e. the rotation by -theta::
+Backward is the transpose of that linear map (for rotate-half, dx = dy * cos +
+rotate_half^T(dy * sin) with rotate_half^T(z) = cat(z2, -z1)), pair by pair::
 
-    dx1 = dy1 * cos1 + dy2 * sin2
-    dx2 = dy2 * cos2 - dy1 * sin1
+    dx[a_c] = dy1 * cos1 + dy2 * sin2
+    dx[b_c] = dy2 * cos2 - dy1 * sin1
     dx_pass = dy_pass
 
 which is the forward with ``(sin1, sin2)`` replaced by ``(-sin2, -sin1)``: one kernel with an
-``INVERSE`` constexpr serves both directions. ``cos``/``sin`` get no gradient (HF computes
+``INVERSE`` constexpr serves both directions, and ``INTERLEAVED`` / ``PAIR_TABLE`` /
+``NEGATE_SIN`` constexprs select the layout. ``cos``/``sin`` get no gradient (HF computes
 them under ``no_grad``); passing ones that require grad raises.
 
 One program handles BLOCK_T consecutive positions of one batch row: it loads cos/sin for
@@ -50,7 +63,7 @@ call stay free; they are not views of another tensor, so they may be edited in p
 import dataclasses
 import functools
 import itertools
-from typing import ClassVar, Tuple
+from typing import ClassVar, NamedTuple, Tuple
 
 import torch
 import triton
@@ -131,13 +144,22 @@ def _rope_store(ptrs, y, mask, ROUND_BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _pair_channels(half, ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Channels of the two members of pair ``half``: (c, c + R/2), or (2c, 2c + 1) interleaved."""
+    if INTERLEAVED:
+        return 2 * half, 2 * half + 1
+    return half, half + ROT_HALF
+
+
+@triton.jit
 def _rope_heads(X, Y, b, t, t_mask, n_heads, x_sb, x_sh, x_st, y_sb, y_sh, y_st,
                 cos1, cos2, sin1, sin2,
-                HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """Rotate every head of X at positions (b, t) into Y; cos/sin are (BLOCK_T, BLOCK_HALF) fp32."""
     half = tl.arange(0, BLOCK_HALF)[None, None, :]
     half_mask = half < ROT_HALF
+    first, second = _pair_channels(half, ROT_HALF, INTERLEAVED)
     x_bt = X + b * x_sb + t[:, None, None] * x_st
     y_bt = Y + b * y_sb + t[:, None, None] * y_st
     c1 = cos1[:, None, :]
@@ -149,12 +171,12 @@ def _rope_heads(X, Y, b, t, t_mask, n_heads, x_sb, x_sh, x_st, y_sb, y_sh, y_st,
         h64 = h.to(tl.int64)[None, :, None]
         row_mask = t_mask[:, None, None] & (h < n_heads)[None, :, None]
         mask = row_mask & half_mask
-        x_ptrs = x_bt + h64 * x_sh + half
-        y_ptrs = y_bt + h64 * y_sh + half
-        x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptrs + ROT_HALF, mask=mask, other=0.0).to(tl.float32)
-        _rope_store(y_ptrs, x1 * c1 - x2 * s1, mask, ROUND_BY_HAND)
-        _rope_store(y_ptrs + ROT_HALF, x2 * c2 + x1 * s2, mask, ROUND_BY_HAND)
+        x_h = x_bt + h64 * x_sh
+        y_h = y_bt + h64 * y_sh
+        x1 = tl.load(x_h + first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_h + second, mask=mask, other=0.0).to(tl.float32)
+        _rope_store(y_h + first, x1 * c1 - x2 * s1, mask, ROUND_BY_HAND)
+        _rope_store(y_h + second, x2 * c2 + x1 * s2, mask, ROUND_BY_HAND)
         if HEAD_DIM > 2 * ROT_HALF:
             # Partial rotary: the channels past R are copied through unchanged.
             rest = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
@@ -171,6 +193,7 @@ def rope_kernel(
     qo_sb, qo_sh, qo_st, ko_sb, ko_sh, ko_st,
     cos_sb, cos_st, sin_sb, sin_st,
     HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, INVERSE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PAIR_TABLE: tl.constexpr, NEGATE_SIN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
 ):
@@ -187,19 +210,86 @@ def rope_kernel(
     t = t.to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)[None, :]
     cs_mask = t_mask[:, None] & (half < ROT_HALF)
-    cos_ptrs = COS + b * cos_sb + t[:, None] * cos_st + half
-    sin_ptrs = SIN + b * sin_sb + t[:, None] * sin_st + half
-    cos1 = tl.load(cos_ptrs, mask=cs_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptrs + ROT_HALF, mask=cs_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptrs, mask=cs_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptrs + ROT_HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    cos_ptrs = COS + b * cos_sb + t[:, None] * cos_st
+    sin_ptrs = SIN + b * sin_sb + t[:, None] * sin_st
+    if PAIR_TABLE:
+        # One table entry per pair: a (.., R/2) table read for both members.
+        cos1 = tl.load(cos_ptrs + half, mask=cs_mask, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptrs + half, mask=cs_mask, other=0.0).to(tl.float32)
+        cos2 = cos1
+        sin2 = sin1
+    else:
+        # One entry per channel: the table column of each member of the pair.
+        first, second = _pair_channels(half, ROT_HALF, INTERLEAVED)
+        cos1 = tl.load(cos_ptrs + first, mask=cs_mask, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptrs + second, mask=cs_mask, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptrs + first, mask=cs_mask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptrs + second, mask=cs_mask, other=0.0).to(tl.float32)
+    if NEGATE_SIN:
+        # rotate_half written as cat(x2, -x1): the rotation by -theta.
+        sin1, sin2 = -sin1, -sin2
     if INVERSE:
         # The transposed rotation: (sin1, sin2) -> (-sin2, -sin1); see the module docstring.
         sin1, sin2 = -sin2, -sin1
     _rope_heads(Q, Q_OUT, b, t, t_mask, n_q_heads, q_sb, q_sh, q_st, qo_sb, qo_sh, qo_st,
-                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
     _rope_heads(K, K_OUT, b, t, t_mask, n_k_heads, k_sb, k_sh, k_st, ko_sb, ko_sh, ko_st,
-                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+
+
+# --------------------------------------------------------------------------------------
+# Rotation layouts.
+# --------------------------------------------------------------------------------------
+
+# How a cos/sin table of width W feeds the pairs (see the module docstring).
+TABLE_FULL = "full"  # one entry per channel, W = R
+TABLE_PAIR = "pair"  # one entry per pair, W = R/2
+TABLE_FIRST_HALF = "first_half"  # one entry per pair, read from the first half of a W = R table
+TABLES = (TABLE_FULL, TABLE_PAIR, TABLE_FIRST_HALF)
+
+
+class KernelFlags(NamedTuple):
+    """The layout constexprs of ``rope_kernel``."""
+
+    interleaved: bool
+    pair_table: bool
+    negate_sin: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeLayout:
+    """Which channels form the rotated pairs and which cos/sin entries rotate them.
+
+    ``interleaved``: pairs (2c, 2c + 1) (GPT-J style) instead of (c, c + R/2) (rotate-half).
+    ``table``: ``"full"`` (cos/sin have R entries, one per channel), ``"pair"`` (R/2 entries,
+    one per pair) or ``"first_half"`` (R entries of which the first R/2 are used, one per pair).
+    ``negate_sin``: the rotation by -theta (``rotate_half`` written ``cat(x2, -x1)``).
+    """
+
+    interleaved: bool = False
+    table: str = TABLE_FULL
+    negate_sin: bool = False
+
+    def __post_init__(self) -> None:
+        if self.table not in TABLES:
+            raise ValueError(f"table must be one of {TABLES}, got {self.table!r}")
+
+    @property
+    def flags(self) -> KernelFlags:
+        return KernelFlags(self.interleaved, self.table != TABLE_FULL, self.negate_sin)
+
+    def rotary_dim(self, table_width: int) -> int:
+        """R, the number of rotated channels, for a cos/sin table of ``table_width`` entries."""
+        return 2 * table_width if self.table == TABLE_PAIR else table_width
+
+    def describe(self) -> str:
+        pairs = "interleaved pairs" if self.interleaved else "rotate-half pairs"
+        table = {TABLE_FULL: "cos/sin per channel", TABLE_PAIR: "cos/sin per pair",
+                 TABLE_FIRST_HALF: "cos/sin per pair from the table's first half"}[self.table]
+        return f"{pairs}, {table}" + (", rotation by -theta" if self.negate_sin else "")
+
+
+ROTATE_HALF = RopeLayout()
 
 
 # --------------------------------------------------------------------------------------
@@ -242,10 +332,10 @@ def _table_strides(table: torch.Tensor) -> Tuple[int, int]:
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
-            k_out: torch.Tensor, inverse: bool) -> None:
+            k_out: torch.Tensor, inverse: bool, flags: "KernelFlags") -> None:
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
-    rot_half = cos.shape[-1] // 2
+    rot_half = cos.shape[-1] if flags.pair_table else cos.shape[-1] // 2
     if batch == 0 or seq_len == 0 or head_dim == 0 or (n_q_heads == 0 and n_k_heads == 0) or q.is_meta:
         return  # nothing to rotate; meta tensors (shape inference) have no memory to run on
     block_half = next_power_of_2(rot_half)
@@ -261,6 +351,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         cos_sb, cos_st, sin_sb, sin_st,
         HEAD_DIM=head_dim, ROT_HALF=rot_half, INVERSE=inverse,
+        INTERLEAVED=flags.interleaved, PAIR_TABLE=flags.pair_table, NEGATE_SIN=flags.negate_sin,
         BLOCK_T=config.block_t, BLOCK_HQ=config.block_hq, BLOCK_HK=config.block_hk,
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass, ROUND_BY_HAND=is_interpreter(),
         num_warps=config.num_warps,
@@ -268,14 +359,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 def _rope_launcher(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                   k_order: int, transposed: bool, inverse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                   k_order: int, transposed: bool, inverse: bool,
+                   flags: "KernelFlags") -> Tuple[torch.Tensor, torch.Tensor]:
     q, k = ensure_contiguous_last_dim(q), ensure_contiguous_last_dim(k)
     cos, sin = ensure_contiguous_last_dim(cos), ensure_contiguous_last_dim(sin)
     q_out, k_out = _empty_outputs(q, k, q_order, k_order, transposed)
     if transposed:
-        _launch(q, k, cos, sin, q_out.transpose(1, 2), k_out.transpose(1, 2), inverse)
+        _launch(q, k, cos, sin, q_out.transpose(1, 2), k_out.transpose(1, 2), inverse, flags)
     else:
-        _launch(q, k, cos, sin, q_out, k_out, inverse)
+        _launch(q, k, cos, sin, q_out, k_out, inverse, flags)
     return q_out, k_out
 
 
@@ -287,26 +379,30 @@ def _empty_outputs(q: torch.Tensor, k: torch.Tensor, q_order: int, k_order: int,
 
 @liger_custom_op("rope_forward")
 def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                 k_order: int, transposed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rotate canonical (B, H, T, D) q and k by (Bc, Tc, R) cos/sin; outputs laid out by the
-    orders, returned as (B, T, H, D) where ``transposed``."""
-    return _rope_launcher(q, k, cos, sin, q_order, k_order, transposed, False)
+                 k_order: int, transposed: bool, interleaved: bool, pair_table: bool,
+                 negate_sin: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate canonical (B, H, T, D) q and k by (Bc, Tc, R) cos/sin ((Bc, Tc, R/2) with
+    ``pair_table``); outputs laid out by the orders, returned as (B, T, H, D) where ``transposed``."""
+    return _rope_launcher(q, k, cos, sin, q_order, k_order, transposed, False,
+                          KernelFlags(interleaved, pair_table, negate_sin))
 
 
 @rope_forward.register_fake
-def _rope_forward_fake(q, k, cos, sin, q_order, k_order, transposed):
+def _rope_forward_fake(q, k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin):
     return _empty_outputs(q, k, q_order, k_order, transposed)
 
 
 @liger_custom_op("rope_backward")
 def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                  k_order: int, transposed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                  k_order: int, transposed: bool, interleaved: bool, pair_table: bool,
+                  negate_sin: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of q and k: the inverse rotation of the (canonical) output gradients."""
-    return _rope_launcher(grad_q, grad_k, cos, sin, q_order, k_order, transposed, True)
+    return _rope_launcher(grad_q, grad_k, cos, sin, q_order, k_order, transposed, True,
+                          KernelFlags(interleaved, pair_table, negate_sin))
 
 
 @rope_backward.register_fake
-def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order, transposed):
+def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin):
     return _empty_outputs(grad_q, grad_k, q_order, k_order, transposed)
 
 
@@ -330,8 +426,10 @@ def _as_table(x: torch.Tensor, name: str, position_ids: torch.Tensor | None) -> 
 
 
 def canonicalize_rope_args(q: object, k: object, cos: object, sin: object, position_ids: object,
-                           unsqueeze_dim: object) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate the arguments; return q, k as (B, H, T, D) views and cos, sin as (Bc, Tc, R).
+                           unsqueeze_dim: object, layout: RopeLayout = ROTATE_HALF,
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate the arguments; return q, k as (B, H, T, D) views and cos, sin as the (Bc, Tc, W)
+    tables the kernel reads (W = R, or R/2 for a per-pair table; a first-half table is sliced).
 
     Raises ``TypeError``/``ValueError`` naming the offending argument.
     """
@@ -354,22 +452,30 @@ def canonicalize_rope_args(q: object, k: object, cos: object, sin: object, posit
                          f"k: {tuple(k.shape)} (as (B, H, T, D))")
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got cos: {tuple(cos.shape)}, sin: {tuple(sin.shape)}")
+    if not isinstance(layout, RopeLayout):
+        raise TypeError(f"layout must be a RopeLayout, got {type(layout).__name__}")
     cos, sin = _as_table(cos, "cos", position_ids), _as_table(sin, "sin", position_ids)
-    rot_dim = cos.shape[-1]
+    rot_dim = layout.rotary_dim(cos.shape[-1])
     if (cos.shape[0] not in (1, batch) or cos.shape[1] not in (1, seq_len) or rot_dim % 2 != 0
             or not 2 <= rot_dim <= head_dim):
+        width = "R/2" if layout.table == TABLE_PAIR else "R"
         raise ValueError(
-            f"cos/sin of shape {tuple(cos.shape)} do not broadcast to q/k of (B, H, T, D) = {tuple(q.shape)}: "
-            f"need (1 or B={batch}, 1 or T={seq_len}, R) with R even and 2 <= R <= D={head_dim}"
+            f"cos/sin of shape {tuple(cos.shape)} do not broadcast to q/k of (B, H, T, D) = {tuple(q.shape)} "
+            f"({layout.describe()}): need (1 or B={batch}, 1 or T={seq_len}, {width}) with R even and "
+            f"2 <= R <= D={head_dim}"
         )
+    if layout.table == TABLE_FIRST_HALF:
+        cos, sin = cos[..., : rot_dim // 2], sin[..., : rot_dim // 2]
     return q, k, cos, sin
 
 
 class LigerRopeFunction(torch.autograd.Function):
-    """``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``; see the module docstring.
+    """``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` or another ``layout``;
+    see the module docstring.
 
-    ``apply(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``: q (B, Hq, T, D), k (B, Hk, T, D)
-    (or (B, T, H, D) with ``unsqueeze_dim=2``), cos/sin (Bc, T, R) with R <= D even. A 3-D
+    ``apply(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, layout=ROTATE_HALF)``: q (B, Hq, T, D),
+    k (B, Hk, T, D) (or (B, T, H, D) with ``unsqueeze_dim=2``; Hk may be 0), cos/sin (Bc, T, W)
+    with W = R (R/2 for a ``pair`` table) and R <= D even. A 3-D
     cos/sin is used as given and ``position_ids`` ignored (as HF's deprecated argument); a 2-D
     (max_positions, R) table is gathered with ``position_ids`` (B, T) when they are given.
     Returns ``(q_embed, k_embed)`` with q's and k's shapes and dtypes. Gradients flow to q and k.
@@ -377,18 +483,20 @@ class LigerRopeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                position_ids: torch.Tensor | None = None, unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
-        q_c, k_c, cos_c, sin_c = canonicalize_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+                position_ids: torch.Tensor | None = None, unsqueeze_dim: int = 1,
+                layout: RopeLayout = ROTATE_HALF) -> Tuple[torch.Tensor, torch.Tensor]:
+        q_c, k_c, cos_c, sin_c = canonicalize_rope_args(q, k, cos, sin, position_ids, unsqueeze_dim, layout)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             raise ValueError("cos and sin must not require grad: the Liger RoPE kernel treats them as constants")
         q_order, k_order = memory_order(q_c), memory_order(k_c)
         transposed = unsqueeze_dim == 2
         # Outputs in q's and k's own shapes and memory orders, not views of another tensor,
         # so that callers may edit them in place (``q_embed *= scale``) as HF's.
-        q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order, transposed)
+        q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order, transposed, *layout.flags)
         ctx.save_for_backward(cos_c, sin_c)
         ctx.orders = (q_order, k_order)
         ctx.transposed = transposed
+        ctx.flags = layout.flags
         return q_embed, k_embed
 
     @staticmethod
@@ -397,5 +505,5 @@ class LigerRopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if ctx.transposed:
             grad_q_embed, grad_k_embed = grad_q_embed.transpose(1, 2), grad_k_embed.transpose(1, 2)
-        grad_q, grad_k = rope_backward(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders, ctx.transposed)
-        return grad_q, grad_k, None, None, None, None
+        grad_q, grad_k = rope_backward(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders, ctx.transposed, *ctx.flags)
+        return grad_q, grad_k, None, None, None, None, None
