@@ -12,7 +12,8 @@ model) this finds, by structure, the candidates
 * fused experts: 3-D ``gate_up_proj``/``down_proj`` parameters behind HF's
   ``use_experts_implementation`` (only the activation ``act(gate) * up`` changes);
 * rotary embeddings: the module-level ``apply_rotary_pos_emb`` an attention forward calls
-  (rotate-half, full or partial rotary);
+  (rotate-half or interleaved pairs, cos/sin per channel or per pair, the rotation by -theta,
+  full or partial rotary; ``fn(q, k, cos, sin)`` or per tensor ``fn(x, cos, sin)``);
 * the head and loss (:mod:`~liger_kernel.transformers.patching.head_probe`),
 
 and proves each candidate equal to its Liger replacement on a small random probe (once per
@@ -438,15 +439,56 @@ def rotary_function(module: nn.Module) -> tuple[Callable, Callable] | None:
     return (forward, fn) if callable(fn) else None
 
 
-_ROPE_PROBES: dict[tuple, str | None] = {}
+@dataclass(frozen=True)
+class RopePlan:
+    """How a model's rotary function is computed: the kernel layout and the call signature.
+
+    ``per_tensor``: ``fn(x, cos, sin, unsqueeze_dim=1) -> x_embed`` (Gemma 3n, Gemma 4) instead of
+    ``fn(q, k, cos, sin, unsqueeze_dim=1) -> (q_embed, k_embed)``.
+    """
+
+    layout: Any  # liger_kernel.ops.rope.RopeLayout
+    per_tensor: bool = False
+
+    @property
+    def replacement(self) -> Callable:
+        """The Liger function installed in place of the model's ``apply_rotary_pos_emb``."""
+        return _rope_replacement(self)
 
 
-def probe_rope(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device) -> str | None:
-    """None when ``fn(q, k, cos, sin)`` equals the Liger RoPE kernel, else why not.
+@functools.cache
+def _rope_replacement(plan: RopePlan) -> Callable:
+    # One object per plan: the rebound attention forwards are cached by their overrides.
+    from liger_kernel.ops.rope import ROTATE_HALF
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_single
 
-    Probed for each rotary dim R the model's rotary embeddings produce, with q/k of the head
-    dim and, for attention that slices the rotated part off itself (partial rotary), of R;
-    every shape ``fn`` accepts must match, and at least one must be accepted.
+    if plan.per_tensor:
+        return functools.partial(liger_rotary_pos_emb_single, layout=plan.layout)
+    if plan.layout == ROTATE_HALF:
+        return liger_rotary_pos_emb
+    return functools.partial(liger_rotary_pos_emb, layout=plan.layout)
+
+
+def _rope_layouts() -> list:
+    """Every layout the kernel computes, rotate-half first (the common case)."""
+    from liger_kernel.ops.rope import TABLES, RopeLayout
+
+    return [RopeLayout(interleaved, table, negate_sin) for negate_sin in (False, True)
+            for interleaved in (False, True) for table in TABLES]
+
+
+_ROPE_PROBES: dict[tuple, RopePlan | str] = {}
+
+
+def probe_rope(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device) -> RopePlan | str:
+    """The :class:`RopePlan` whose Liger function equals ``fn`` on every probe, or why there is none.
+
+    ``fn`` is called with random (B, H, T, D) q/k and random cos/sin tables (entries in [-1, 1],
+    unrelated across channels, so a layout reading other entries than ``fn`` fails) of each
+    width W the model's rotary embeddings produce, and q/k of the head dim, of W and of 2W (for
+    attention that slices the rotated part off itself); with an ``unsqueeze_dim`` parameter also
+    as (B, T, H, D) with ``unsqueeze_dim=2``. The shapes ``fn`` accepts (at least one) must all
+    match one layout, tried in turn; the two-tensor signature first, then the per-tensor one.
     """
     key = (fn, head_dim, tuple(sorted(rotary_dims)))
     if key not in _ROPE_PROBES:
@@ -454,53 +496,93 @@ def probe_rope(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch
     return _ROPE_PROBES[key]
 
 
-def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device) -> str | None:
-    accepted = 0
-    for rotary_dim in sorted(rotary_dims):
-        for width in sorted({head_dim, rotary_dim}):
-            why = _probe_rope_uncached(fn, width, rotary_dim, device)
-            if why == _REJECTED_SHAPE:
-                continue
-            if why is not None:
-                return why
-            accepted += 1
-    return None if accepted else f"{ROTARY_NAME}(q, k, cos, sin) failed on every probe shape"
+@dataclass
+class _RopeCase:
+    """One probe call: the arguments, HF's result and the call form."""
+
+    inputs: tuple[torch.Tensor, torch.Tensor]  # q, k (each rotated alone by a per-tensor function)
+    cos: torch.Tensor
+    sin: torch.Tensor
+    unsqueeze_dim: int | None  # passed by keyword when not None
+    reference: tuple[torch.Tensor, ...]
 
 
-_REJECTED_SHAPE = "rejected shape"
+def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device) -> RopePlan | str:
+    try:
+        takes_unsqueeze_dim = "unsqueeze_dim" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        takes_unsqueeze_dim = False
+    errors = []
+    for per_tensor in (False, True):
+        cases = _rope_cases(fn, head_dim, rotary_dims, device, per_tensor, takes_unsqueeze_dim)
+        if isinstance(cases, str):
+            return cases
+        if not cases:
+            continue
+        for layout in _rope_layouts():
+            plan = RopePlan(layout, per_tensor)
+            why = _rope_plan_differs(plan, cases)
+            if why is None:
+                return plan
+            errors.append((why, layout))
+    if not errors:
+        return f"{ROTARY_NAME}(q, k, cos, sin) failed on every probe shape"
+    why, layout = min(errors, key=lambda item: item[0][0])
+    return (f"{ROTARY_NAME} is none of the kernel's RoPE layouts (relative error {why[0]:.1e} on {why[1]} "
+            f"for the closest, {layout.describe()})")
 
 
-def _probe_rope_uncached(fn: Callable, head_dim: int, rotary_dim: int, device: torch.device) -> str | None:
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb
-
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        return f"rotary dim {rotary_dim} of head dim {head_dim} is not supported"
+def _rope_cases(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device, per_tensor: bool,
+                takes_unsqueeze_dim: bool) -> list[_RopeCase] | str:
+    """The probe calls ``fn`` accepts in the given signature (an error message when it accepts
+    one but does not return what that signature returns)."""
     generator = torch.Generator().manual_seed(3)
-    seq = 5
-    q = torch.randn(2, 4, seq, head_dim, generator=generator).to(device)
-    k = torch.randn(2, 2, seq, head_dim, generator=generator).to(device)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32) + 3.0, inv_freq)
-    emb = torch.cat((angles, angles), dim=-1)
-    cos = emb.cos()[None].expand(2, seq, rotary_dim).to(device)
-    sin = emb.sin()[None].expand(2, seq, rotary_dim).to(device)
+    batch, seq = 2, 5
+    cases = []
+    for width in sorted(rotary_dims):
+        for q_width in sorted({head_dim, width, 2 * width}):
+            cos = (torch.rand(batch, seq, width, generator=generator) * 2 - 1).to(device)
+            sin = (torch.rand(batch, seq, width, generator=generator) * 2 - 1).to(device)
+            q = torch.randn(batch, 4, seq, q_width, generator=generator).to(device)
+            k = torch.randn(batch, 2, seq, q_width, generator=generator).to(device)
+            forms = [(None, (q, k))]
+            if takes_unsqueeze_dim:
+                forms.append((2, (q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous())))
+            for unsqueeze_dim, (q_in, k_in) in forms:
+                inputs = (q_in, k_in)
+                try:
+                    reference = _call_rope(fn, per_tensor, q_in, k_in, cos, sin, unsqueeze_dim)
+                except Exception:  # noqa: BLE001 - HF's function does not take this shape or signature
+                    continue
+                if not per_tensor and not (isinstance(reference, tuple) and len(reference) == 2):
+                    # Not the two-tensor signature; the per-tensor one is tried next.
+                    continue
+                if any(not isinstance(r, torch.Tensor) or r.shape != x.shape for r, x in zip(reference, inputs)):
+                    return f"{ROTARY_NAME} returns tensors of other shapes than its inputs"
+                cases.append(_RopeCase(inputs, cos, sin, unsqueeze_dim, tuple(reference)))
+    return cases
+
+
+def _call_rope(fn: Callable, per_tensor: bool, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, unsqueeze_dim: int | None) -> tuple:
+    extra = {} if unsqueeze_dim is None else {"unsqueeze_dim": unsqueeze_dim}
     with torch.no_grad():
+        if per_tensor:
+            return fn(q, cos, sin, **extra), fn(k, cos, sin, **extra)
+        return fn(q, k, cos, sin, **extra)
+
+
+def _rope_plan_differs(plan: RopePlan, cases: list[_RopeCase]) -> tuple[float, str] | None:
+    """None when the plan's replacement equals HF's result on every case, else (error, "q"/"k")."""
+    for case in cases:
         try:
-            reference = fn(q, k, cos, sin)
-        except Exception:  # noqa: BLE001 - HF's function does not take this shape
-            return _REJECTED_SHAPE
-        try:
-            result = liger_rotary_pos_emb(q, k, cos, sin)
-        except Exception as error:  # noqa: BLE001
-            return f"the Liger RoPE kernel failed on a probe: {type(error).__name__}"
-    if not (isinstance(reference, tuple) and len(reference) == 2):
-        return f"{ROTARY_NAME} does not return (q, k)"
-    for ours, theirs, name in zip(result, reference, "qk"):
-        if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
-            return f"{ROTARY_NAME} returns {name} of another shape"
-        equal, error = close_enough(ours, theirs)
-        if not equal:
-            return f"{ROTARY_NAME} is not rotate-half RoPE (relative error {error:.1e} on {name})"
+            result = _call_rope(plan.replacement, plan.per_tensor, *case.inputs, case.cos, case.sin, case.unsqueeze_dim)
+        except (TypeError, ValueError):  # the layout does not fit this shape (R > D, odd R)
+            return float("inf"), "q"
+        for ours, theirs, name in zip(result, case.reference, "qk"):
+            equal, error = close_enough(ours, theirs)
+            if not equal:
+                return error, name
     return None
 
 

@@ -94,19 +94,17 @@ class _Walk:
             self.report.count("swiglu", 1)
 
     def rope(self, module: nn.Module, forward, fn) -> None:
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb
-
         if self._rope_dims is False:
             self._rope_dims = discovery.rotary_dims(self.model)
         if self._rope_dims is None:
             self.leave(module, "no rotary embedding module whose cos gives the rotary dims")
             return
         device = discovery.probe_device(module) or next((p.device for p in self.model.parameters()), None)
-        why = discovery.probe_rope(fn, *self._rope_dims, device=device)
-        if why is not None:
-            self.leave(module, why)
+        plan = discovery.probe_rope(fn, *self._rope_dims, device=device)
+        if isinstance(plan, str):
+            self.leave(module, plan)
             return
-        bind_method(module, "forward", with_global_overrides(forward, {discovery.ROTARY_NAME: liger_rotary_pos_emb}))
+        bind_method(module, "forward", with_global_overrides(forward, {discovery.ROTARY_NAME: plan.replacement}))
         self.report.count("rope", 1)
 
     def run(self) -> None:
