@@ -527,8 +527,8 @@ def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device:
             errors.append((why, layout))
     if not errors:
         return f"{ROTARY_NAME}(q, k, cos, sin) failed on every probe shape"
-    why, layout = min(errors, key=lambda item: item[0][0])
-    return (f"{ROTARY_NAME} is none of the kernel's RoPE layouts (relative error {why[0]:.1e} on {why[1]} "
+    (error, name), layout = min(errors, key=lambda item: item[0][0])
+    return (f"{ROTARY_NAME} is none of the kernel's RoPE layouts (relative error {error:.1e} on {name} "
             f"for the closest, {layout.describe()})")
 
 
@@ -575,10 +575,10 @@ def _call_rope(fn: Callable, per_tensor: bool, q: torch.Tensor, k: torch.Tensor,
 def _rope_plan_differs(plan: RopePlan, cases: list[_RopeCase]) -> tuple[float, str] | None:
     """None when the plan's replacement equals HF's result on every case, else (error, "q"/"k")."""
     for case in cases:
-        try:
-            result = _call_rope(plan.replacement, plan.per_tensor, *case.inputs, case.cos, case.sin, case.unsqueeze_dim)
-        except (TypeError, ValueError):  # the layout does not fit this shape (R > D, odd R)
-            return float("inf"), "q"
+        rotated = plan.layout.rotary_dim(case.cos.shape[-1])
+        if rotated % 2 or rotated > case.inputs[0].shape[-1]:
+            return float("inf"), f"q: the layout rotates {rotated} channels of {case.inputs[0].shape[-1]}"
+        result = _call_rope(plan.replacement, plan.per_tensor, *case.inputs, case.cos, case.sin, case.unsqueeze_dim)
         for ours, theirs, name in zip(result, case.reference, "qk"):
             equal, error = close_enough(ours, theirs)
             if not equal:
