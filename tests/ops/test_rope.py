@@ -2,7 +2,10 @@
 
 Reference: HF's rotate-half RoPE written out below (``hf_apply_rotary_pos_emb``, including
 Phi-3's partial rotary: the first R = cos.shape[-1] channels rotated, the rest passed
-through), evaluated in float64 on the same inputs and differentiated by autograd.
+through), and for the other layouts HF's variants of it (``rotate_every_two`` pairs of GLM,
+Cohere and GPT-J, cos/sin per pair widened by ``repeat_interleave``/``cat`` as GPT-J and
+gpt-oss do, GLM's first half of the table, NanoChat's ``cat(x2, -x1)``), evaluated in float64
+on the same inputs and differentiated by autograd.
 
 cos/sin are random angles whose two halves differ (HF's tables repeat the frequencies,
 cos[..., :R/2] == cos[..., R/2:]), so a kernel that mixed up the halves would fail.
@@ -12,12 +15,22 @@ the default fp32 tolerance of float64 and bf16/fp16 within ``tolerance(dtype)`` 
 output ulps).
 """
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liger_kernel.ops.rope import LigerRopeFunction
+from liger_kernel.ops.rope import (
+    ROTATE_HALF,
+    TABLE_FIRST_HALF,
+    TABLE_FULL,
+    TABLE_PAIR,
+    TABLES,
+    LigerRopeFunction,
+    RopeLayout,
+)
 from tests.utils import DEVICE, assert_close, shapes
 
 
@@ -26,15 +39,38 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+def rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, layout=ROTATE_HALF):
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if layout.table == TABLE_FIRST_HALF:
+        cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    if layout.table != TABLE_FULL:
+        # One entry per pair, widened to one per channel as HF does.
+        if layout.interleaved:
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        else:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    if layout.negate_sin:
+        sin = -sin
+    rotate = rotate_every_two if layout.interleaved else rotate_half
     rotary_dim = cos.shape[-1]
 
     def embed(x):
         x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-        return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+        return torch.cat([x_rot * cos + rotate(x_rot) * sin, x_pass], dim=-1)
 
     return embed(q), embed(k)
+
+
+ALL_LAYOUTS = [RopeLayout(interleaved, table, negate_sin) for interleaved in (False, True) for table in TABLES
+               for negate_sin in (False, True)]
+
+
+def layout_id(layout):
+    return ("interleaved" if layout.interleaved else "half") + f"-{layout.table}" + ("-neg" if layout.negate_sin else "")
 
 
 LAYOUTS = ("dense", "transposed", "qkv_slices")
@@ -72,8 +108,10 @@ def make_qk_source(layout, batch, seq, n_q, n_k, head_dim, unsqueeze_dim, dtype)
     return [rand(batch, seq, (n_q + 2 * n_k) * head_dim)], slices
 
 
-def make_cos_sin(cos_batch, seq, rotary_dim, dtype, hf_style=False):
+def make_cos_sin(cos_batch, seq, rotary_dim, dtype, hf_style=False, layout=ROTATE_HALF):
     half = rotary_dim // 2
+    if layout.table == TABLE_PAIR:
+        rotary_dim = half  # one entry per pair
     if hf_style:
         freqs = torch.randn(cos_batch, seq, half, device=DEVICE) * 3
         angles = torch.cat([freqs, freqs], dim=-1)
@@ -95,22 +133,25 @@ def run(fn, leaves, view, cos, sin, grads, unsqueeze_dim, upcast=False):
     return [q_embed.detach(), k_embed.detach()] + [t.grad for t in leaves]
 
 
-def liger(q, k, cos, sin, unsqueeze_dim):
-    return LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
+def liger(q, k, cos, sin, unsqueeze_dim, rope_layout=ROTATE_HALF):
+    return LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim, rope_layout)
 
 
 def check_case(layout, batch, seq, n_q, n_k, head_dim, rotary_dim, cos_batch, unsqueeze_dim, dtype,
-               cos_dtype=None, hf_style=False):
+               cos_dtype=None, hf_style=False, rope_layout=ROTATE_HALF):
+    """``layout``: how q/k sit in memory (:data:`LAYOUTS`); ``rope_layout``: the pairs and table."""
     leaves, view = make_qk_source(layout, batch, seq, n_q, n_k, head_dim, unsqueeze_dim, dtype)
-    cos, sin = make_cos_sin(cos_batch, seq, rotary_dim, cos_dtype or dtype, hf_style)
+    cos, sin = make_cos_sin(cos_batch, seq, rotary_dim, cos_dtype or dtype, hf_style, rope_layout)
     q, k = view(*leaves)
     grads = [torch.randn(q.shape, device=DEVICE).to(dtype), torch.randn(k.shape, device=DEVICE).to(dtype)]
-    got = run(liger, leaves, view, cos, sin, grads, unsqueeze_dim)
-    want = run(hf_apply_rotary_pos_emb, leaves, view, cos, sin, grads, unsqueeze_dim, upcast=True)
+    got = run(functools.partial(liger, rope_layout=rope_layout), leaves, view, cos, sin, grads, unsqueeze_dim)
+    want = run(functools.partial(hf_apply_rotary_pos_emb, layout=rope_layout), leaves, view, cos, sin, grads,
+               unsqueeze_dim, upcast=True)
     names = ["q_embed", "k_embed"] + [f"grad of leaf {i}" for i in range(len(leaves))]
     for name, x, y in zip(names, got, want):
         assert x.dtype == dtype and x.shape == y.shape, name
-        assert_close(x, y, dtype=dtype, msg=f"{name} ({layout}, ud={unsqueeze_dim}, R={rotary_dim})")
+        assert_close(x, y, dtype=dtype, msg=f"{name} ({layout}, ud={unsqueeze_dim}, R={rotary_dim}, "
+                                           f"{rope_layout.describe()})")
 
 
 # (batch, seq, n_q_heads, n_k_heads, head_dim): GQA, odd head counts, T = 1, 3, 37.
@@ -134,6 +175,32 @@ def test_partial_rotary(layout, partial):
     # Phi-3: rotary dim = head_dim * partial_rotary_factor; the rest passes through.
     head_dim = 16
     check_case(layout, 2, 5, 4, 2, head_dim, head_dim // partial, 2, 1, torch.float32)
+
+
+@pytest.mark.parametrize("rope_layout", ALL_LAYOUTS, ids=layout_id)
+def test_layouts_fp32_partial_rotary_gqa(rope_layout):
+    # Odd sequence and head counts, Hq != Hk, R = 8 of D = 14 (the pass-through tail is odd),
+    # one table per batch row; q/k read in place from a fused qkv projection.
+    check_case("qkv_slices", 2, 7, 5, 3, 14, 8, 2, 1, torch.float32, rope_layout=rope_layout)
+
+
+@pytest.mark.parametrize("rope_layout", ALL_LAYOUTS, ids=layout_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layouts_full_rotary_transposed(rope_layout, dtype):
+    check_case("transposed", 2, 9, 3, 1, 12, 12, 1, 2, dtype, rope_layout=rope_layout)
+
+
+def test_bad_layouts():
+    q = torch.randn(2, 4, 5, 8, device=DEVICE)
+    cos, sin = make_cos_sin(1, 5, 8, torch.float32)
+    with pytest.raises(ValueError, match="table must be one of"):
+        RopeLayout(table="half")
+    with pytest.raises(TypeError, match="RopeLayout"):
+        LigerRopeFunction.apply(q, q, cos, sin, None, 1, "interleaved")
+    with pytest.raises(ValueError, match="do not broadcast.*per pair"):
+        LigerRopeFunction.apply(q, q, cos, sin, None, 1, RopeLayout(table=TABLE_PAIR))  # R = 16 > D = 8
+    with pytest.raises(ValueError, match="do not broadcast"):
+        LigerRopeFunction.apply(q, q, cos[..., :5], sin[..., :5], None, 1, RopeLayout(True, TABLE_FIRST_HALF))  # odd R
 
 
 @pytest.mark.parametrize("cos_batch", [1, 2])
@@ -268,11 +335,13 @@ def test_bad_arguments():
     unsqueeze_dim=st.sampled_from([1, 2]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     per_batch_tables=st.booleans(),
+    rope_layout=st.sampled_from(ALL_LAYOUTS),
 )
-def test_property_random_shapes(batch, seq, n_q, n_k, half, extra, layout, unsqueeze_dim, dtype, per_batch_tables):
+def test_property_random_shapes(batch, seq, n_q, n_k, half, extra, layout, unsqueeze_dim, dtype, per_batch_tables,
+                                rope_layout):
     rotary_dim = 2 * half
     check_case(layout, batch, seq, n_q, n_k, rotary_dim + extra, rotary_dim, batch if per_batch_tables else 1,
-               unsqueeze_dim, dtype)
+               unsqueeze_dim, dtype, rope_layout=rope_layout)
 
 
 def test_torch_compile_fullgraph_matches_eager():
