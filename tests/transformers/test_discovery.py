@@ -9,7 +9,9 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from liger_kernel.ops.rope import ROTATE_HALF, TABLE_FIRST_HALF, TABLE_PAIR, RopeLayout  # noqa: E402
 from liger_kernel.transformers.patching import discovery  # noqa: E402
+from liger_kernel.transformers.rope import liger_rotary_pos_emb  # noqa: E402
 from tests.transformers.census.tiny_configs import tiny_model  # noqa: E402
 from tests.utils import DEVICE  # noqa: E402
 
@@ -131,11 +133,62 @@ def interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
 
 
-def test_rope_probe_accepts_rotate_half_and_rejects_interleaved():
-    device = torch.device(DEVICE)
-    assert discovery.probe_rope(rotate_half_rope, 8, {8}, device) is None
-    why = discovery.probe_rope(interleaved_rope, 8, {8}, device)
-    assert isinstance(why, str) and "not rotate-half" in why
+def per_tensor_rope(x, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return x * cos + _rotate_half(x) * sin
+
+
+def half_table_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """gpt-oss: rotate-half with cos/sin of R/2 entries used for both halves."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def embed(x):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return embed(q), embed(k)
+
+
+def scaled_sin_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """Not RoPE: the sine term is doubled."""
+    return rotate_half_rope(q, k, cos, 2 * sin, unsqueeze_dim)
+
+
+def other_math_for_unsqueeze_dim_2(q, k, cos, sin, unsqueeze_dim=1):
+    """Rotate-half only for (B, H, T, D): the probe calls the (B, T, H, D) form too."""
+    q_embed, k_embed = rotate_half_rope(q, k, cos, sin, unsqueeze_dim)
+    return (q_embed, k_embed) if unsqueeze_dim == 1 else (2 * q_embed, k_embed)
+
+
+@pytest.mark.parametrize("fn, head_dim, dims, expected", [
+    (rotate_half_rope, 8, {8}, discovery.RopePlan(ROTATE_HALF)),
+    (interleaved_rope, 8, {8}, discovery.RopePlan(RopeLayout(interleaved=True, table=TABLE_FIRST_HALF))),
+    (half_table_rope, 8, {4}, discovery.RopePlan(RopeLayout(table=TABLE_PAIR))),
+    (per_tensor_rope, 8, {8}, discovery.RopePlan(ROTATE_HALF, per_tensor=True)),
+], ids=["rotate_half", "interleaved_first_half", "half_table", "per_tensor"])
+def test_rope_probe_finds_the_layout(fn, head_dim, dims, expected):
+    assert discovery.probe_rope(fn, head_dim, dims, torch.device(DEVICE)) == expected
+
+
+@pytest.mark.parametrize("fn", [scaled_sin_rope, other_math_for_unsqueeze_dim_2])
+def test_rope_probe_rejects_other_math(fn):
+    why = discovery.probe_rope(fn, 8, {8}, torch.device(DEVICE))
+    assert isinstance(why, str) and "none of the kernel's RoPE layouts" in why
+
+
+def test_rope_probe_reports_a_function_it_cannot_call():
+    def three_tables(q, k, cos, sin, tan):
+        return q, k
+
+    why = discovery.probe_rope(three_tables, 8, {8}, torch.device(DEVICE))
+    assert isinstance(why, str) and "failed on every probe shape" in why
+
+
+def test_rope_plan_replacements_are_shared():
+    """One replacement object per plan: rebound attention forwards are cached by it."""
+    plan = discovery.RopePlan(RopeLayout(interleaved=True))
+    assert plan.replacement is discovery.RopePlan(RopeLayout(interleaved=True)).replacement
+    assert discovery.RopePlan(ROTATE_HALF).replacement is liger_rotary_pos_emb
 
 
 def test_head_with_a_logit_scale_is_fused_with_the_scale():

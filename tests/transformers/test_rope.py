@@ -1,4 +1,5 @@
-"""liger_rotary_pos_emb as a drop-in for HF's ``apply_rotary_pos_emb`` (Llama and Phi-3).
+"""liger_rotary_pos_emb as a drop-in for HF's ``apply_rotary_pos_emb`` (Llama and Phi-3; the other
+layouts of GLM, gpt-oss, Cohere and NanoChat; Gemma 4's per-tensor signature).
 
 cos/sin come from the HF rotary embedding module of a tiny config (Phi-3 with
 ``partial_rotary_factor=0.5``, so only half of each head is rotated), q/k are laid out the
@@ -9,12 +10,15 @@ outputs is rounded once; HF's bf16 result, three roundings, is also checked agai
 truth at twice that, to show the tolerance is not loose for us alone).
 """
 
+import functools
 import importlib
 
 import pytest
 import torch
 
+from liger_kernel.ops.rope import ROTATE_HALF, TABLE_FIRST_HALF, TABLE_PAIR, RopeLayout
 from liger_kernel.transformers.functional import liger_rope, liger_rotary_pos_emb
+from liger_kernel.transformers.rope import liger_rotary_pos_emb_single
 from tests.utils import DEVICE, assert_close, shapes
 
 transformers = pytest.importorskip("transformers")
@@ -139,3 +143,67 @@ def test_meta_inputs_give_meta_outputs():
     assert q_embed.is_meta and q_embed.shape == q.shape and k_embed.shape == k.shape
     (q_embed.sum() + k_embed.sum()).backward()
     assert q.grad.is_meta and q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+# Model types whose apply_rotary_pos_emb is another layout than rotate-half, with that layout:
+# GLM (interleaved pairs, the first half of a partial-rotary table), gpt-oss (rotate-half with
+# half-size tables), Cohere (interleaved pairs, interleaved tables), NanoChat (rotation by -theta).
+OTHER_LAYOUTS = {
+    "glm": ("GlmRotaryEmbedding", RopeLayout(interleaved=True, table=TABLE_FIRST_HALF)),
+    "gpt_oss": ("GptOssRotaryEmbedding", RopeLayout(table=TABLE_PAIR)),
+    "cohere": ("CohereRotaryEmbedding", RopeLayout(interleaved=True)),
+    "nanochat": ("NanoChatRotaryEmbedding", RopeLayout(negate_sin=True)),
+}
+
+
+def _other_family(model_type):
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    config = transformers.AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=16)
+    rotary_class, layout = OTHER_LAYOUTS[model_type]
+    return config, getattr(modeling, rotary_class)(config), modeling.apply_rotary_pos_emb, layout
+
+
+@pytest.mark.parametrize("model_type", sorted(OTHER_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_layouts_match_hf(model_type, dtype):
+    """HF's own function and rotary module; discovery's probe proves the same layout."""
+    from liger_kernel.transformers.patching import discovery
+
+    config, rotary, hf_fn, layout = _other_family(model_type)
+    batch, seq = 2, 7
+    leaves, view, cos, sin = _inputs(config, rotary, batch, seq, dtype, fused_qkv=False)
+    plan = discovery.probe_rope(hf_fn, 16, {cos.shape[-1]}, torch.device(DEVICE))
+    assert plan == discovery.RopePlan(layout), plan
+    q, k = view(*leaves)
+    grads = [torch.randn(q.shape, device=DEVICE).to(dtype), torch.randn(k.shape, device=DEVICE).to(dtype)]
+    ours = _run(functools.partial(liger_rotary_pos_emb, layout=layout), leaves, view, cos, sin, grads, upcast=False)
+    truth = _run(hf_fn, leaves, view, cos, sin, grads, upcast=True)
+    for x, y in zip(ours, truth):
+        assert x.dtype == dtype
+        assert_close(x, y, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_tensor_matches_gemma4(dtype):
+    """Gemma 4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)`` on (B, T, H, D) projections."""
+    gemma4 = importlib.import_module("transformers.models.gemma4.modeling_gemma4")
+    config, rotary, _ = _family("llama")
+    batch, seq, head_dim = 2, 5, 16
+    x0 = torch.randn(batch, seq, 3, head_dim, device=DEVICE).to(dtype)
+    cos, sin = rotary.to(DEVICE)(x0, torch.arange(seq, device=DEVICE)[None].expand(batch, -1) + 2)
+    grad = torch.randn(x0.shape, device=DEVICE).to(dtype)
+    results = []
+    for fn, upcast in ((functools.partial(liger_rotary_pos_emb_single, layout=ROTATE_HALF), False),
+                       (gemma4.apply_rotary_pos_emb, True)):
+        x = x0.detach().clone().double() if upcast else x0.detach().clone()
+        x.requires_grad_(True)
+        c, s = (cos.double(), sin.double()) if upcast else (cos, sin)
+        out = fn(x, c, s, unsqueeze_dim=2)
+        out.backward(grad.double() if upcast else grad)
+        results.append((out.detach(), x.grad))
+    for x, y in zip(*results):
+        assert x.dtype == dtype
+        assert_close(x, y, dtype=dtype)
+    with pytest.raises(ValueError, match="4-D"):
+        liger_rotary_pos_emb_single(x0[0], cos, sin)
