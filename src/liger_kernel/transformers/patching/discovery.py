@@ -441,14 +441,18 @@ def rotary_function(module: nn.Module) -> tuple[Callable, Callable] | None:
 
 @dataclass(frozen=True)
 class RopePlan:
-    """How a model's rotary function is computed: the kernel layout and the call signature.
+    """How a model's rotary function is computed and called: the kernel layout and the signature.
 
     ``per_tensor``: ``fn(x, cos, sin, unsqueeze_dim=1) -> x_embed`` (Gemma 3n, Gemma 4) instead of
-    ``fn(q, k, cos, sin, unsqueeze_dim=1) -> (q_embed, k_embed)``.
+    ``fn(q, k, cos, sin, unsqueeze_dim=1) -> (q_embed, k_embed)``. ``sin_first``: the tables come
+    as ``(sin, cos)`` (GPT-J, CodeGen). ``heads_dim``: the dim of q/k holding the heads when the
+    caller passes no ``unsqueeze_dim`` (2 for GPT-J's (B, T, H, D) ``sin[:, :, None, :]``).
     """
 
     layout: Any  # liger_kernel.ops.rope.RopeLayout
     per_tensor: bool = False
+    sin_first: bool = False
+    heads_dim: int = 1
 
     @property
     def replacement(self) -> Callable:
@@ -460,13 +464,26 @@ class RopePlan:
 def _rope_replacement(plan: RopePlan) -> Callable:
     # One object per plan: the rebound attention forwards are cached by their overrides.
     from liger_kernel.ops.rope import ROTATE_HALF
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    if plan == RopePlan(ROTATE_HALF):
+        return liger_rotary_pos_emb
+    return functools.partial(liger_rope_as_planned, plan)
+
+
+def liger_rope_as_planned(plan: RopePlan, *args: Any, **kwargs: Any) -> Any:
+    """The Liger RoPE taking the arguments of the function ``plan`` was proven equal to."""
     from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_single
 
-    if plan.per_tensor:
-        return functools.partial(liger_rotary_pos_emb_single, layout=plan.layout)
-    if plan.layout == ROTATE_HALF:
-        return liger_rotary_pos_emb
-    return functools.partial(liger_rotary_pos_emb, layout=plan.layout)
+    tables = 1 if plan.per_tensor else 2  # index of the first table argument
+    args = list(args)
+    if plan.sin_first and len(args) >= tables + 2:
+        args[tables], args[tables + 1] = args[tables + 1], args[tables]
+    # unsqueeze_dim follows position_ids in the two-tensor signature.
+    if len(args) <= tables + (2 if plan.per_tensor else 3):
+        kwargs.setdefault("unsqueeze_dim", plan.heads_dim)
+    fn = liger_rotary_pos_emb_single if plan.per_tensor else liger_rotary_pos_emb
+    return fn(*args, layout=plan.layout, **kwargs)
 
 
 def _rope_layouts() -> list:
@@ -483,12 +500,14 @@ _ROPE_PROBES: dict[tuple, RopePlan | str] = {}
 def probe_rope(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device) -> RopePlan | str:
     """The :class:`RopePlan` whose Liger function equals ``fn`` on every probe, or why there is none.
 
-    ``fn`` is called with random (B, H, T, D) q/k and random cos/sin tables (entries in [-1, 1],
-    unrelated across channels, so a layout reading other entries than ``fn`` fails) of each
-    width W the model's rotary embeddings produce, and q/k of the head dim, of W and of 2W (for
-    attention that slices the rotated part off itself); with an ``unsqueeze_dim`` parameter also
-    as (B, T, H, D) with ``unsqueeze_dim=2``. The shapes ``fn`` accepts (at least one) must all
-    match one layout, tried in turn; the two-tensor signature first, then the per-tensor one.
+    ``fn`` is called with random q/k and random cos/sin tables (entries in [-1, 1], unrelated
+    across channels, so a layout reading other entries than ``fn`` fails) of each width W the
+    model's rotary embeddings produce, q/k of the head dim, of W and of 2W (for attention that
+    slices the rotated part off itself), as (B, H, T, D) and (B, T, H, D) without
+    ``unsqueeze_dim``, and with ``unsqueeze_dim=2`` when ``fn`` has that parameter. For each
+    signature (two-tensor first, then per tensor; tables as (cos, sin), then (sin, cos)) the
+    calls ``fn`` accepts (at least one) must all match one plan: the heads dim and the layout,
+    tried in turn.
     """
     key = (fn, head_dim, tuple(sorted(rotary_dims)))
     if key not in _ROPE_PROBES:
@@ -501,8 +520,8 @@ class _RopeCase:
     """One probe call: the arguments, HF's result and the call form."""
 
     inputs: tuple[torch.Tensor, torch.Tensor]  # q, k (each rotated alone by a per-tensor function)
-    cos: torch.Tensor
-    sin: torch.Tensor
+    tables: tuple[torch.Tensor, torch.Tensor]  # in the order fn takes them
+    heads_dim: int  # where the heads of q/k are
     unsqueeze_dim: int | None  # passed by keyword when not None
     reference: tuple[torch.Tensor, ...]
 
@@ -514,17 +533,19 @@ def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device:
         takes_unsqueeze_dim = False
     errors = []
     for per_tensor in (False, True):
-        cases = _rope_cases(fn, head_dim, rotary_dims, device, per_tensor, takes_unsqueeze_dim)
-        if isinstance(cases, str):
-            return cases
-        if not cases:
-            continue
-        for layout in _rope_layouts():
-            plan = RopePlan(layout, per_tensor)
-            why = _rope_plan_differs(plan, cases)
-            if why is None:
-                return plan
-            errors.append((why, layout))
+        for sin_first in (False, True):
+            cases = _rope_cases(fn, head_dim, rotary_dims, device, per_tensor, sin_first, takes_unsqueeze_dim)
+            if isinstance(cases, str):
+                return cases
+            if not cases:
+                continue
+            for heads_dim in (1, 2):
+                for layout in _rope_layouts():
+                    plan = RopePlan(layout, per_tensor, sin_first, heads_dim)
+                    why = _rope_plan_differs(plan, cases)
+                    if why is None:
+                        return plan
+                    errors.append((why, layout))
     if not errors:
         return f"{ROTARY_NAME}(q, k, cos, sin) failed on every probe shape"
     (error, name), layout = min(errors, key=lambda item: item[0][0])
@@ -533,7 +554,7 @@ def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device:
 
 
 def _rope_cases(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device, per_tensor: bool,
-                takes_unsqueeze_dim: bool) -> list[_RopeCase] | str:
+                sin_first: bool, takes_unsqueeze_dim: bool) -> list[_RopeCase] | str:
     """The probe calls ``fn`` accepts in the given signature (an error message when it accepts
     one but does not return what that signature returns)."""
     generator = torch.Generator().manual_seed(3)
@@ -543,15 +564,14 @@ def _rope_cases(fn: Callable, head_dim: int, rotary_dims: set[int], device: torc
         for q_width in sorted({head_dim, width, 2 * width}):
             cos = (torch.rand(batch, seq, width, generator=generator) * 2 - 1).to(device)
             sin = (torch.rand(batch, seq, width, generator=generator) * 2 - 1).to(device)
+            tables = (sin, cos) if sin_first else (cos, sin)
             q = torch.randn(batch, 4, seq, q_width, generator=generator).to(device)
             k = torch.randn(batch, 2, seq, q_width, generator=generator).to(device)
-            forms = [(None, (q, k))]
-            if takes_unsqueeze_dim:
-                forms.append((2, (q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous())))
-            for unsqueeze_dim, (q_in, k_in) in forms:
-                inputs = (q_in, k_in)
+            q_t, k_t = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+            forms = [(1, None, (q, k)), (2, None, (q_t, k_t))] + ([(2, 2, (q_t, k_t))] if takes_unsqueeze_dim else [])
+            for heads, unsqueeze_dim, inputs in forms:
                 try:
-                    reference = _call_rope(fn, per_tensor, q_in, k_in, cos, sin, unsqueeze_dim)
+                    reference = _call_rope(fn, per_tensor, inputs, tables, unsqueeze_dim)
                 except Exception:  # noqa: BLE001 - HF's function does not take this shape or signature
                     continue
                 if not per_tensor and not (isinstance(reference, tuple) and len(reference) == 2):
@@ -559,26 +579,29 @@ def _rope_cases(fn: Callable, head_dim: int, rotary_dims: set[int], device: torc
                     continue
                 if any(not isinstance(r, torch.Tensor) or r.shape != x.shape for r, x in zip(reference, inputs)):
                     return f"{ROTARY_NAME} returns tensors of other shapes than its inputs"
-                cases.append(_RopeCase(inputs, cos, sin, unsqueeze_dim, tuple(reference)))
+                cases.append(_RopeCase(inputs, tables, heads, unsqueeze_dim, tuple(reference)))
     return cases
 
 
-def _call_rope(fn: Callable, per_tensor: bool, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, unsqueeze_dim: int | None) -> tuple:
+def _call_rope(fn: Callable, per_tensor: bool, inputs: tuple[torch.Tensor, torch.Tensor],
+               tables: tuple[torch.Tensor, torch.Tensor], unsqueeze_dim: int | None) -> tuple:
     extra = {} if unsqueeze_dim is None else {"unsqueeze_dim": unsqueeze_dim}
     with torch.no_grad():
         if per_tensor:
-            return fn(q, cos, sin, **extra), fn(k, cos, sin, **extra)
-        return fn(q, k, cos, sin, **extra)
+            return tuple(fn(x, *tables, **extra) for x in inputs)
+        return fn(*inputs, *tables, **extra)
 
 
 def _rope_plan_differs(plan: RopePlan, cases: list[_RopeCase]) -> tuple[float, str] | None:
-    """None when the plan's replacement equals HF's result on every case, else (error, "q"/"k")."""
+    """None when the plan's replacement equals HF's result on every case, else (error, what)."""
     for case in cases:
-        rotated = plan.layout.rotary_dim(case.cos.shape[-1])
-        if rotated % 2 or rotated > case.inputs[0].shape[-1]:
-            return float("inf"), f"q: the layout rotates {rotated} channels of {case.inputs[0].shape[-1]}"
-        result = _call_rope(plan.replacement, plan.per_tensor, *case.inputs, case.cos, case.sin, case.unsqueeze_dim)
+        head_dim = case.inputs[0].shape[-1]
+        rotated = plan.layout.rotary_dim(case.tables[0].shape[-1])
+        if rotated % 2 or rotated > head_dim:
+            return float("inf"), f"q: the layout rotates {rotated} channels of {head_dim}"
+        if (case.unsqueeze_dim or plan.heads_dim) != case.heads_dim:
+            return float("inf"), f"q: its heads are dim {case.heads_dim}, not {plan.heads_dim}"
+        result = _call_rope(plan.replacement, plan.per_tensor, case.inputs, case.tables, case.unsqueeze_dim)
         for ours, theirs, name in zip(result, case.reference, "qk"):
             equal, error = close_enough(ours, theirs)
             if not equal:
