@@ -207,3 +207,32 @@ def test_per_tensor_matches_gemma4(dtype):
         assert_close(x, y, dtype=dtype)
     with pytest.raises(ValueError, match="4-D"):
         liger_rotary_pos_emb_single(x0[0], cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gptj_signature_through_the_discovered_plan(dtype):
+    """GPT-J's ``apply_rotary_pos_emb(tensor, sin, cos)`` on (B, T, H, R) slices of the heads, tables
+    of R/2 from its rotary module, called as its attention does: the plan discovery proves
+    (interleaved pairs, per-pair tables, sin first, heads in dim 2) gives HF's values and gradients."""
+    from liger_kernel.transformers.patching import discovery
+
+    gptj = importlib.import_module("transformers.models.gptj.modeling_gptj")
+    config = transformers.GPTJConfig(n_embd=64, n_head=4, rotary_dim=8)
+    batch, seq, heads, head_dim = 2, 7, 4, 16
+    x0 = torch.randn(batch, seq, heads, head_dim, device=DEVICE).to(dtype)
+    sin, cos = gptj.GPTJRotaryEmbedding(config).to(DEVICE)(x0, torch.arange(seq, device=DEVICE)[None] + 3)
+    plan = discovery.probe_rope(gptj.apply_rotary_pos_emb, head_dim, {sin.shape[-1]}, torch.device(DEVICE))
+    assert plan == discovery.RopePlan(RopeLayout(interleaved=True, table=TABLE_PAIR), per_tensor=True,
+                                      sin_first=True, heads_dim=2), plan
+    grad = torch.randn(batch, seq, heads, 8, device=DEVICE).to(dtype)
+    results = []
+    for fn, upcast in ((plan.replacement, False), (gptj.apply_rotary_pos_emb, True)):
+        x = x0.detach().clone().double() if upcast else x0.detach().clone()
+        x.requires_grad_(True)
+        s, c = (sin.double(), cos.double()) if upcast else (sin, cos)
+        out = fn(x[..., :8], s, c)
+        out.backward(grad.double() if upcast else grad)
+        results.append((out.detach(), x.grad))
+    for x, y in zip(*results):
+        assert x.dtype == dtype
+        assert_close(x, y, dtype=dtype)
