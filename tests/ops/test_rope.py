@@ -59,18 +59,22 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, layout=ROTATE_HALF)
     rotary_dim = cos.shape[-1]
 
     def embed(x):
+        if layout.rotate_last:  # DeepSeek V4: the rotated block is the last R channels
+            x_pass, x_rot = x[..., : x.shape[-1] - rotary_dim], x[..., x.shape[-1] - rotary_dim:]
+            return torch.cat([x_pass, x_rot * cos + rotate(x_rot) * sin], dim=-1)
         x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
         return torch.cat([x_rot * cos + rotate(x_rot) * sin, x_pass], dim=-1)
 
     return embed(q), embed(k)
 
 
-ALL_LAYOUTS = [RopeLayout(interleaved, table, negate_sin) for interleaved in (False, True) for table in TABLES
-               for negate_sin in (False, True)]
+ALL_LAYOUTS = [RopeLayout(interleaved, table, negate_sin, rotate_last) for interleaved in (False, True)
+               for table in TABLES for negate_sin in (False, True) for rotate_last in (False, True)]
 
 
 def layout_id(layout):
-    return ("interleaved" if layout.interleaved else "half") + f"-{layout.table}" + ("-neg" if layout.negate_sin else "")
+    return (("interleaved" if layout.interleaved else "half") + f"-{layout.table}"
+            + ("-neg" if layout.negate_sin else "") + ("-last" if layout.rotate_last else ""))
 
 
 LAYOUTS = ("dense", "transposed", "qkv_slices")

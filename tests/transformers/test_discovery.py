@@ -165,8 +165,14 @@ def other_math_for_unsqueeze_dim_2(q, k, cos, sin, unsqueeze_dim=1):
     (interleaved_rope, 8, {8}, discovery.RopePlan(RopeLayout(interleaved=True, table=TABLE_FIRST_HALF))),
     (half_table_rope, 8, {4}, discovery.RopePlan(RopeLayout(table=TABLE_PAIR))),
     (per_tensor_rope, 8, {8}, discovery.RopePlan(ROTATE_HALF, per_tensor=True)),
-], ids=["rotate_half", "interleaved_first_half", "half_table", "per_tensor"])
+    ("deepseek_v4", 16, {2}, discovery.RopePlan(RopeLayout(interleaved=True, table=TABLE_PAIR, rotate_last=True),
+                                                per_tensor=True)),
+], ids=["rotate_half", "interleaved_first_half", "half_table", "per_tensor", "deepseek_v4_last_channels"])
 def test_rope_probe_finds_the_layout(fn, head_dim, dims, expected):
+    if isinstance(fn, str):  # HF's own function of that model type
+        import importlib
+
+        fn = importlib.import_module(f"transformers.models.{fn}.modeling_{fn}").apply_rotary_pos_emb
     assert discovery.probe_rope(fn, head_dim, dims, torch.device(DEVICE)) == expected
 
 

@@ -26,8 +26,9 @@ are read in place; all four strides go to the kernel. Only a q/k/cos/sin whose l
 dimension is not unit-stride is copied first.
 
 Partial rotary (``R < D``, Phi-3's ``partial_rotary_factor``, GLM): as HF's code, the first
-R channels are rotated (pairs formed within those R channels) and channels R..D-1 are passed
-through unchanged. R must be even.
+R channels are rotated (pairs formed within those R channels, channel j of the block reading
+table entry j) and channels R..D-1 are passed through unchanged; with ``rotate_last`` (DeepSeek
+V4) the rotated block is the last R channels and channels 0..D-R-1 pass through. R must be even.
 
 Forward, per position (b, t), every head h, pair c < R/2, in fp32, with x1 = x[a_c],
 x2 = x[b_c] (sin1, sin2 negated first under ``negate_sin``)::
@@ -45,7 +46,7 @@ rotate_half^T(dy * sin) with rotate_half^T(z) = cat(z2, -z1)), pair by pair::
 
 which is the forward with ``(sin1, sin2)`` replaced by ``(-sin2, -sin1)``: one kernel with an
 ``INVERSE`` constexpr serves both directions, and ``INTERLEAVED`` / ``PAIR_TABLE`` /
-``NEGATE_SIN`` constexprs select the layout. ``cos``/``sin`` get no gradient (HF computes
+``NEGATE_SIN`` / ``ROTATE_LAST`` constexprs select the layout. ``cos``/``sin`` get no gradient (HF computes
 them under ``no_grad``); passing ones that require grad raises.
 
 One program handles BLOCK_T consecutive positions of one batch row: it loads cos/sin for
@@ -154,12 +155,21 @@ def _pair_channels(half, ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 @triton.jit
 def _rope_heads(X, Y, b, t, t_mask, n_heads, x_sb, x_sh, x_st, y_sb, y_sh, y_st,
                 cos1, cos2, sin1, sin2,
-                HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+                HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, ROTATE_LAST: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """Rotate every head of X at positions (b, t) into Y; cos/sin are (BLOCK_T, BLOCK_HALF) fp32."""
     half = tl.arange(0, BLOCK_HALF)[None, None, :]
     half_mask = half < ROT_HALF
     first, second = _pair_channels(half, ROT_HALF, INTERLEAVED)
+    # The rotated block is channels [0, R), or [D - R, D) with ROTATE_LAST; the rest pass through.
+    if ROTATE_LAST:
+        rot_start = HEAD_DIM - 2 * ROT_HALF
+        pass_start = 0
+    else:
+        rot_start = 0
+        pass_start = 2 * ROT_HALF
+    first += rot_start
+    second += rot_start
     x_bt = X + b * x_sb + t[:, None, None] * x_st
     y_bt = Y + b * y_sb + t[:, None, None] * y_st
     c1 = cos1[:, None, :]
@@ -178,9 +188,9 @@ def _rope_heads(X, Y, b, t, t_mask, n_heads, x_sb, x_sh, x_st, y_sb, y_sh, y_st,
         _rope_store(y_h + first, x1 * c1 - x2 * s1, mask, ROUND_BY_HAND)
         _rope_store(y_h + second, x2 * c2 + x1 * s2, mask, ROUND_BY_HAND)
         if HEAD_DIM > 2 * ROT_HALF:
-            # Partial rotary: the channels past R are copied through unchanged.
-            rest = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
-            rest_mask = row_mask & (rest < HEAD_DIM)
+            # Partial rotary: the channels outside the rotated block are copied through unchanged.
+            rest = pass_start + tl.arange(0, BLOCK_PASS)[None, None, :]
+            rest_mask = row_mask & (rest < pass_start + HEAD_DIM - 2 * ROT_HALF)
             x_rest = tl.load(x_bt + h64 * x_sh + rest, mask=rest_mask, other=0.0)
             tl.store(y_bt + h64 * y_sh + rest, x_rest.to(Y.dtype.element_ty), mask=rest_mask)
 
@@ -193,7 +203,7 @@ def rope_kernel(
     qo_sb, qo_sh, qo_st, ko_sb, ko_sh, ko_st,
     cos_sb, cos_st, sin_sb, sin_st,
     HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, INVERSE: tl.constexpr,
-    INTERLEAVED: tl.constexpr, PAIR_TABLE: tl.constexpr, NEGATE_SIN: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PAIR_TABLE: tl.constexpr, NEGATE_SIN: tl.constexpr, ROTATE_LAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
 ):
@@ -232,9 +242,9 @@ def rope_kernel(
         # The transposed rotation: (sin1, sin2) -> (-sin2, -sin1); see the module docstring.
         sin1, sin2 = -sin2, -sin1
     _rope_heads(Q, Q_OUT, b, t, t_mask, n_q_heads, q_sb, q_sh, q_st, qo_sb, qo_sh, qo_st,
-                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, ROTATE_LAST, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
     _rope_heads(K, K_OUT, b, t, t_mask, n_k_heads, k_sb, k_sh, k_st, ko_sb, ko_sh, ko_st,
-                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, ROTATE_LAST, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
 
 
 # --------------------------------------------------------------------------------------
@@ -254,6 +264,7 @@ class KernelFlags(NamedTuple):
     interleaved: bool
     pair_table: bool
     negate_sin: bool
+    rotate_last: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,11 +275,13 @@ class RopeLayout:
     ``table``: ``"full"`` (cos/sin have R entries, one per channel), ``"pair"`` (R/2 entries,
     one per pair) or ``"first_half"`` (R entries of which the first R/2 are used, one per pair).
     ``negate_sin``: the rotation by -theta (``rotate_half`` written ``cat(x2, -x1)``).
+    ``rotate_last``: the rotated channels are the last R of the head (DeepSeek V4), not the first.
     """
 
     interleaved: bool = False
     table: str = TABLE_FULL
     negate_sin: bool = False
+    rotate_last: bool = False
 
     def __post_init__(self) -> None:
         if self.table not in TABLES:
@@ -276,7 +289,7 @@ class RopeLayout:
 
     @property
     def flags(self) -> KernelFlags:
-        return KernelFlags(self.interleaved, self.table != TABLE_FULL, self.negate_sin)
+        return KernelFlags(self.interleaved, self.table != TABLE_FULL, self.negate_sin, self.rotate_last)
 
     def rotary_dim(self, table_width: int) -> int:
         """R, the number of rotated channels, for a cos/sin table of ``table_width`` entries."""
@@ -286,7 +299,8 @@ class RopeLayout:
         pairs = "interleaved pairs" if self.interleaved else "rotate-half pairs"
         table = {TABLE_FULL: "cos/sin per channel", TABLE_PAIR: "cos/sin per pair",
                  TABLE_FIRST_HALF: "cos/sin per pair from the table's first half"}[self.table]
-        return f"{pairs}, {table}" + (", rotation by -theta" if self.negate_sin else "")
+        return (f"{pairs}, {table}" + (", rotation by -theta" if self.negate_sin else "")
+                + (", last channels rotated" if self.rotate_last else ""))
 
 
 ROTATE_HALF = RopeLayout()
@@ -352,6 +366,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         cos_sb, cos_st, sin_sb, sin_st,
         HEAD_DIM=head_dim, ROT_HALF=rot_half, INVERSE=inverse,
         INTERLEAVED=flags.interleaved, PAIR_TABLE=flags.pair_table, NEGATE_SIN=flags.negate_sin,
+        ROTATE_LAST=flags.rotate_last,
         BLOCK_T=config.block_t, BLOCK_HQ=config.block_hq, BLOCK_HK=config.block_hk,
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass, ROUND_BY_HAND=is_interpreter(),
         num_warps=config.num_warps,
@@ -379,30 +394,32 @@ def _empty_outputs(q: torch.Tensor, k: torch.Tensor, q_order: int, k_order: int,
 
 @liger_custom_op("rope_forward")
 def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                 k_order: int, transposed: bool, interleaved: bool, pair_table: bool,
-                 negate_sin: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                 k_order: int, transposed: bool, interleaved: bool, pair_table: bool, negate_sin: bool,
+                 rotate_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate canonical (B, H, T, D) q and k by (Bc, Tc, R) cos/sin ((Bc, Tc, R/2) with
     ``pair_table``); outputs laid out by the orders, returned as (B, T, H, D) where ``transposed``."""
     return _rope_launcher(q, k, cos, sin, q_order, k_order, transposed, False,
-                          KernelFlags(interleaved, pair_table, negate_sin))
+                          KernelFlags(interleaved, pair_table, negate_sin, rotate_last))
 
 
 @rope_forward.register_fake
-def _rope_forward_fake(q, k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin):
+def _rope_forward_fake(q, k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin,
+                       rotate_last):
     return _empty_outputs(q, k, q_order, k_order, transposed)
 
 
 @liger_custom_op("rope_backward")
 def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                  k_order: int, transposed: bool, interleaved: bool, pair_table: bool,
-                  negate_sin: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                  k_order: int, transposed: bool, interleaved: bool, pair_table: bool, negate_sin: bool,
+                  rotate_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of q and k: the inverse rotation of the (canonical) output gradients."""
     return _rope_launcher(grad_q, grad_k, cos, sin, q_order, k_order, transposed, True,
-                          KernelFlags(interleaved, pair_table, negate_sin))
+                          KernelFlags(interleaved, pair_table, negate_sin, rotate_last))
 
 
 @rope_backward.register_fake
-def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin):
+def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin,
+                        rotate_last):
     return _empty_outputs(grad_q, grad_k, q_order, k_order, transposed)
 
 

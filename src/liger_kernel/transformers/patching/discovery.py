@@ -490,8 +490,8 @@ def _rope_layouts() -> list:
     """Every layout the kernel computes, rotate-half first (the common case)."""
     from liger_kernel.ops.rope import TABLES, RopeLayout
 
-    return [RopeLayout(interleaved, table, negate_sin) for negate_sin in (False, True)
-            for interleaved in (False, True) for table in TABLES]
+    return [RopeLayout(interleaved, table, negate_sin, rotate_last) for rotate_last in (False, True)
+            for negate_sin in (False, True) for interleaved in (False, True) for table in TABLES]
 
 
 _ROPE_PROBES: dict[tuple, RopePlan | str] = {}
