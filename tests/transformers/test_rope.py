@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from liger_kernel.ops.rope import ROTATE_HALF, TABLE_FIRST_HALF, TABLE_PAIR, RopeLayout
-from liger_kernel.transformers.functional import liger_rope, liger_rotary_pos_emb
-from liger_kernel.transformers.rope import liger_rotary_pos_emb_single
+from liger_kernel.transformers.functional import liger_rope, liger_rotary_pos_emb, liger_rotary_pos_emb_single
 from tests.utils import DEVICE, assert_close, shapes
 
 transformers = pytest.importorskip("transformers")

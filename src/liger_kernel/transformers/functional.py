@@ -11,7 +11,7 @@ from liger_kernel.transformers.jsd import liger_jsd
 from liger_kernel.transformers.kl_div import liger_kl_div
 from liger_kernel.transformers.layer_norm import liger_layer_norm
 from liger_kernel.transformers.rms_norm import liger_rms_norm
-from liger_kernel.transformers.rope import liger_rope, liger_rotary_pos_emb
+from liger_kernel.transformers.rope import liger_rope, liger_rotary_pos_emb, liger_rotary_pos_emb_single
 from liger_kernel.transformers.swiglu import liger_swiglu
 from liger_kernel.transformers.tvd import liger_tvd
 
@@ -25,6 +25,7 @@ __all__ = [
     "liger_rms_norm",
     "liger_rope",
     "liger_rotary_pos_emb",
+    "liger_rotary_pos_emb_single",
     "liger_swiglu",
     "liger_tvd",
 ]
