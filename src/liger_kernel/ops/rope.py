@@ -242,9 +242,11 @@ def rope_kernel(
         # The transposed rotation: (sin1, sin2) -> (-sin2, -sin1); see the module docstring.
         sin1, sin2 = -sin2, -sin1
     _rope_heads(Q, Q_OUT, b, t, t_mask, n_q_heads, q_sb, q_sh, q_st, qo_sb, qo_sh, qo_st,
-                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, ROTATE_LAST, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, ROTATE_LAST, BLOCK_HQ, BLOCK_HALF,
+                BLOCK_PASS, ROUND_BY_HAND)
     _rope_heads(K, K_OUT, b, t, t_mask, n_k_heads, k_sb, k_sh, k_st, ko_sb, ko_sh, ko_st,
-                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, ROTATE_LAST, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, ROUND_BY_HAND)
+                cos1, cos2, sin1, sin2, HEAD_DIM, ROT_HALF, INTERLEAVED, ROTATE_LAST, BLOCK_HK, BLOCK_HALF,
+                BLOCK_PASS, ROUND_BY_HAND)
 
 
 # --------------------------------------------------------------------------------------
@@ -346,7 +348,7 @@ def _table_strides(table: torch.Tensor) -> Tuple[int, int]:
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
-            k_out: torch.Tensor, inverse: bool, flags: "KernelFlags") -> None:
+            k_out: torch.Tensor, inverse: bool, flags: KernelFlags) -> None:
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
     rot_half = cos.shape[-1] if flags.pair_table else cos.shape[-1] // 2
@@ -375,7 +377,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def _rope_launcher(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
                    k_order: int, transposed: bool, inverse: bool,
-                   flags: "KernelFlags") -> Tuple[torch.Tensor, torch.Tensor]:
+                   flags: KernelFlags) -> Tuple[torch.Tensor, torch.Tensor]:
     q, k = ensure_contiguous_last_dim(q), ensure_contiguous_last_dim(k)
     cos, sin = ensure_contiguous_last_dim(cos), ensure_contiguous_last_dim(sin)
     q_out, k_out = _empty_outputs(q, k, q_order, k_order, transposed)
