@@ -394,35 +394,21 @@ def _empty_outputs(q: torch.Tensor, k: torch.Tensor, q_order: int, k_order: int,
             empty_in_order(tuple(k.shape), k_order, k.dtype, k.device, transposed))
 
 
-@liger_custom_op("rope_forward")
-def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                 k_order: int, transposed: bool, interleaved: bool, pair_table: bool, negate_sin: bool,
-                 rotate_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+@liger_custom_op("rope_rotate")
+def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
+                k_order: int, transposed: bool, inverse: bool, interleaved: bool, pair_table: bool, negate_sin: bool,
+                rotate_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate canonical (B, H, T, D) q and k by (Bc, Tc, R) cos/sin ((Bc, Tc, R/2) with
-    ``pair_table``); outputs laid out by the orders, returned as (B, T, H, D) where ``transposed``."""
-    return _rope_launcher(q, k, cos, sin, q_order, k_order, transposed, False,
+    ``pair_table``), or with ``inverse`` apply the transpose (the gradients of q and k from those
+    of the outputs); outputs laid out by the orders, returned as (B, T, H, D) where ``transposed``."""
+    return _rope_launcher(q, k, cos, sin, q_order, k_order, transposed, inverse,
                           KernelFlags(interleaved, pair_table, negate_sin, rotate_last))
 
 
-@rope_forward.register_fake
-def _rope_forward_fake(q, k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin,
-                       rotate_last):
+@rope_rotate.register_fake
+def _rope_rotate_fake(q, k, cos, sin, q_order, k_order, transposed, inverse, interleaved, pair_table, negate_sin,
+                      rotate_last):
     return _empty_outputs(q, k, q_order, k_order, transposed)
-
-
-@liger_custom_op("rope_backward")
-def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_order: int,
-                  k_order: int, transposed: bool, interleaved: bool, pair_table: bool, negate_sin: bool,
-                  rotate_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of q and k: the inverse rotation of the (canonical) output gradients."""
-    return _rope_launcher(grad_q, grad_k, cos, sin, q_order, k_order, transposed, True,
-                          KernelFlags(interleaved, pair_table, negate_sin, rotate_last))
-
-
-@rope_backward.register_fake
-def _rope_backward_fake(grad_q, grad_k, cos, sin, q_order, k_order, transposed, interleaved, pair_table, negate_sin,
-                        rotate_last):
-    return _empty_outputs(grad_q, grad_k, q_order, k_order, transposed)
 
 
 # --------------------------------------------------------------------------------------
@@ -511,7 +497,7 @@ class LigerRopeFunction(torch.autograd.Function):
         transposed = unsqueeze_dim == 2
         # Outputs in q's and k's own shapes and memory orders, not views of another tensor,
         # so that callers may edit them in place (``q_embed *= scale``) as HF's.
-        q_embed, k_embed = rope_forward(q_c, k_c, cos_c, sin_c, q_order, k_order, transposed, *layout.flags)
+        q_embed, k_embed = rope_rotate(q_c, k_c, cos_c, sin_c, q_order, k_order, transposed, False, *layout.flags)
         ctx.save_for_backward(cos_c, sin_c)
         ctx.orders = (q_order, k_order)
         ctx.transposed = transposed
@@ -524,5 +510,6 @@ class LigerRopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if ctx.transposed:
             grad_q_embed, grad_k_embed = grad_q_embed.transpose(1, 2), grad_k_embed.transpose(1, 2)
-        grad_q, grad_k = rope_backward(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders, ctx.transposed, *ctx.flags)
+        grad_q, grad_k = rope_rotate(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders, ctx.transposed, True,
+                                     *ctx.flags)
         return grad_q, grad_k, None, None, None, None, None
