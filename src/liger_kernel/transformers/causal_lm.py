@@ -214,8 +214,19 @@ class FusedLossSpec:
             with ``logit_scale_divides``, divided by (Granite's ``logits_scaling``): read off the
             model, else its text config. The fused loss scales the hidden states instead
             (``(s h) W^T = s (h W^T)``; only for a head without bias).
-        decoder_attr: the attribute holding the decoder the forward calls; None: the model's
-            ``base_model_prefix``.
+        decoder_attr: the (dotted) path of the decoder the forward calls (``model``, OPT's
+            ``model.decoder``); None: the model's ``base_model_prefix``.
+        head_transform_attr: a child the forward applies to the decoder's hidden states before the
+            output embedding (ModernBERT's ``self.decoder(self.lm_head(h))``); None if none.
+        head_call_attr: the child the forward calls on the hidden states when the output embedding
+            sits inside it (BERT's ``cls`` holding ``cls.predictions.decoder`` after a transform):
+            the fused loss runs it up to the output embedding and takes that embedding's input.
+        shifts_labels: whether the forward shifts the labels (HF's causal-LM loss); False when
+            ``labels[:, t]`` is already the target of position ``t`` (BART-style decoders).
+        counts_items: whether ``num_items_in_batch`` divides the summed loss (False: the forward's
+            loss is always the mean over counted targets).
+        aux_loss_coef_attr: the attribute (of the model, else its text config) holding the router
+            loss coefficient.
         extra_parameters: names the model's own forward takes besides the standard ones
             (``pixel_values``, ``image_sizes``, ...): listed in the fused forward's signature
             (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
@@ -233,6 +244,11 @@ class FusedLossSpec:
     decoder_attr: str | None = None
     logit_scale_attr: str | None = None
     logit_scale_divides: bool = False
+    head_transform_attr: str | None = None
+    head_call_attr: str | None = None
+    shifts_labels: bool = True
+    counts_items: bool = True
+    aux_loss_coef_attr: str = "router_aux_loss_coef"
 
     @property
     def is_moe(self) -> bool:
@@ -264,6 +280,35 @@ def _fused_lm_head_loss(
     return liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs)
 
 
+class _OutputEmbeddingReached(Exception):
+    """Raised by the pre-hook of :func:`output_embedding_input` with the embedding's input."""
+
+    def __init__(self, features: torch.Tensor) -> None:
+        super().__init__()
+        self.features = features
+
+
+def output_embedding_input(head: torch.nn.Module, output_embedding: torch.nn.Module,
+                           hidden_states: torch.Tensor) -> torch.Tensor:
+    """What ``head(hidden_states)`` passes to ``output_embedding``, a module inside ``head``
+    (BERT's ``cls`` runs a dense/activation/norm transform, then ``cls.predictions.decoder``).
+
+    The run stops at the embedding's call, before its logits are computed: a forward pre-hook
+    raises with the embedding's input, which keeps its autograd graph through the transform.
+    """
+    def stop(module: torch.nn.Module, args: tuple) -> None:
+        raise _OutputEmbeddingReached(args[0])
+
+    handle = output_embedding.register_forward_pre_hook(stop)
+    try:
+        head(hidden_states)
+    except _OutputEmbeddingReached as reached:
+        return reached.features
+    finally:
+        handle.remove()
+    raise ValueError(f"{type(head).__name__} never called its output embedding {type(output_embedding).__name__}")
+
+
 def _fused_loss_forward(
     self,
     spec: FusedLossSpec,
@@ -288,8 +333,13 @@ def _fused_loss_forward(
     if return_dict is None:
         return_dict = getattr(config, "return_dict", True)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    if not spec.counts_items:
+        num_items_in_batch = None
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    if shift_labels is None and labels is not None and not spec.shifts_labels:
+        # The forward takes labels already aligned with the positions: they are the targets.
+        shift_labels, labels = labels, None
     # 5.24's generate() passes the KV cache as ``cache``.
     cache = kwargs.pop("cache", None)
     if past_key_values is None:
@@ -304,7 +354,7 @@ def _fused_loss_forward(
                 output_router_logits = getattr(text_config, "output_router_logits", False)
         kwargs["output_router_logits"] = output_router_logits
 
-    base_model = getattr(self, spec.decoder_attr or self.base_model_prefix)
+    base_model = self.get_submodule(spec.decoder_attr or self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
     recompute = spec.recompute_norm_outputs and torch.is_grad_enabled() and not torch.compiler.is_compiling()
     if recompute:
@@ -327,6 +377,11 @@ def _fused_loss_forward(
         )
 
     hidden_states = _positions_to_keep(outputs.last_hidden_state, logits_to_keep)
+    lm_head = self.get_output_embeddings()
+    if spec.head_transform_attr is not None:
+        hidden_states = getattr(self, spec.head_transform_attr)(hidden_states)
+    elif spec.head_call_attr is not None:
+        hidden_states = output_embedding_input(getattr(self, spec.head_call_attr), lm_head, hidden_states)
     has_targets = labels is not None or shift_labels is not None
     if skip_logits is None:
         skip_logits = self.training and has_targets
@@ -340,7 +395,6 @@ def _fused_loss_forward(
         if scale is None:
             scale = getattr(text_config, spec.logit_scale_attr)
         scale = 1.0 / scale if spec.logit_scale_divides else scale
-    lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
     # exact unfused path instead, and so does a head whose forward something other than
@@ -419,7 +473,10 @@ def _fused_loss_forward(
                 attention_mask,
             )
             if loss is not None:
-                loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
+                coef = getattr(self, spec.aux_loss_coef_attr, None)
+                if coef is None:
+                    coef = getattr(text_config, spec.aux_loss_coef_attr)
+                loss = loss + coef * aux_loss.to(loss.device)
         fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
     fields[_output_cache_field(output_class)] = getattr(outputs, _output_cache_field(type(outputs)), None)
     if spec.output_class is not None:
