@@ -280,6 +280,15 @@ def _fused_lm_head_loss(
     return liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs)
 
 
+def _input_embedding_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    """The input embedding's weight, or None where HF cannot name the input embedding (a
+    composite model that does not override ``get_input_embeddings``)."""
+    try:
+        return getattr(model.get_input_embeddings(), "weight", None)
+    except NotImplementedError:
+        return None
+
+
 class _OutputEmbeddingReached(Exception):
     """Raised by the pre-hook of :func:`output_embedding_input` with the embedding's input."""
 
@@ -360,7 +369,7 @@ def _fused_loss_forward(
     if recompute:
         # The residual stream's dtype is the embeddings'; its device the inputs' (offloaded
         # embedding weights sit on the meta device until their hook loads them).
-        residual = inputs_embeds if inputs_embeds is not None else getattr(self.get_input_embeddings(), "weight", None)
+        residual = inputs_embeds if inputs_embeds is not None else _input_embedding_weight(self)
         placed = inputs_embeds if inputs_embeds is not None else input_ids
         # Under autocast the projections save casts of the norm outputs: nothing to recompute.
         if isinstance(residual, torch.Tensor) and isinstance(placed, torch.Tensor):

@@ -49,8 +49,9 @@ class _StubOutput(dict):
 
 class _StubDecoder(nn.Module):
     """Stands in for a model's decoder in the head probe: returns fixed outputs, whatever the
-    inputs. Any other attribute the forward reads off the decoder (Idefics3's ``text_model``,
-    Falcon-H1's ``lm_head_multiplier``) is the real decoder's."""
+    inputs, and records the arguments of each call in ``calls``. Any other attribute the forward
+    reads off the decoder (Idefics3's ``text_model``, Falcon-H1's ``lm_head_multiplier``) is the
+    real decoder's."""
 
     def __init__(self, outputs: _StubOutput, vocab: int, hidden: int, real: nn.Module) -> None:
         super().__init__()
@@ -58,6 +59,7 @@ class _StubDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(vocab, hidden)
         # In __dict__, not _modules: the real decoder is no part of the stub's parameters.
         self.__dict__["_real"] = real
+        self.__dict__["calls"] = []
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -72,7 +74,21 @@ class _StubDecoder(nn.Module):
         return self.embed_tokens
 
     def forward(self, *args: Any, **kwargs: Any) -> _StubOutput:
+        self.calls.append((args, kwargs))
         return self.outputs
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are taken as different
+        return False
 
 
 def base_class(model: nn.Module) -> type:
@@ -319,8 +335,8 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         experts = getattr(text_config, first.num_experts_attr)
         fields["router_logits"] = tuple(torch.randn(batch * seq, experts, generator=generator).to(device)
                                         for _ in range(2))
-    decoder = _module_at(model, first.decoder_attr)
-    _replace_module(stand_in, first.decoder_attr, _StubDecoder(fields, vocab, hidden, decoder).to(device))
+    stub = _StubDecoder(fields, vocab, hidden, _module_at(model, first.decoder_attr)).to(device)
+    _replace_module(stand_in, first.decoder_attr, stub)
     # Not .train(): that would recurse into the children the stand-in shares with the model.
     stand_in.training = True
     input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
@@ -334,6 +350,16 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     for extra in ({}, {"num_items_in_batch": torch.tensor(9, device=device)}):
         reference = cls.forward(stand_in, **common, **extra)
         references.append((extra, reference, torch.autograd.grad(reference.loss, weights)))
+    # The fused forward gives its decoder no labels: a forward whose decoder sees them (an
+    # encoder-decoder's decoder_input_ids, shifted from the labels) cannot be reproduced.
+    with torch.no_grad():
+        stub.calls.clear()
+        cls.forward(stand_in, **common)
+        with_labels = list(stub.calls)
+        stub.calls.clear()
+        cls.forward(stand_in, **{**common, "labels": None})
+    if not _same_value(with_labels, stub.calls):
+        return type(reference), None, "its decoder's inputs depend on the labels"
     first_error = None
     for spec in candidates:
         error = _compare_fused(stand_in, fused_loss_forward(dataclasses.replace(spec, output_class=None)),
