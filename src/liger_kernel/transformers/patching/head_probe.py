@@ -215,21 +215,19 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
             return "a router loss whose expert count is not in the config"
         experts_attr = (matching or present)[0]
     coef = re.search(r"\bself(?:\.config)?\.(\w*aux_loss_coef)\b", source)
-    scale_attr, divides = _logit_scale(source, model, text_config, layout["decoder_attr"])
-    if scale_attr is not None and head.bias is not None:
-        return f"its logits are scaled by {scale_attr} and its head has a bias"
-    base = FusedLossSpec(router_aux_loss_fn=aux, num_experts_attr=experts_attr, logit_scale_attr=scale_attr,
-                         logit_scale_divides=divides, aux_loss_coef_attr=coef.group(1) if coef else
-                         "router_aux_loss_coef", **layout)
-    # Candidates, the source's reading first: a soft-cap the forward names (or one a module
-    # applies, with the config's value), shifted labels and counted items for
+    base = FusedLossSpec(router_aux_loss_fn=aux, num_experts_attr=experts_attr,
+                         aux_loss_coef_attr=coef.group(1) if coef else "router_aux_loss_coef", **layout)
+    # Candidates, the source's reading first: the soft-caps and logit scales it names (and the
+    # config's final soft-cap, which a module may apply), shifted labels and counted items for
     # self.loss_function (unshifted, a mean, for a cross entropy called directly).
-    softcaps: list[str | None] = [None]
-    if getattr(text_config, _SOFTCAP_ATTR, None):
-        softcaps = [_SOFTCAP_ATTR, None] if _SOFTCAP_ATTR in source else [None, _SOFTCAP_ATTR]
+    scales: list[tuple[str | None, bool]] = [(None, False)]
+    if head.bias is None:  # (s h) W^T = s (h W^T) only without a bias
+        scales = _logit_scales(source, model, text_config)[:1] + scales
     hf_loss = [True, False] if "self.loss_function(" in source else [False, True]
-    candidates = [dataclasses.replace(base, logit_softcap_attr=softcap, shifts_labels=shifts, counts_items=counts)
-                  for softcap, shifts, counts in itertools.product(softcaps, hf_loss, hf_loss)]
+    candidates = [dataclasses.replace(base, logit_softcap_attr=softcap, logit_scale_attr=scale, logit_scale_divides=divides,
+                                      shifts_labels=shifts, counts_items=counts)
+                  for softcap, (scale, divides), shifts, counts
+                  in itertools.product(_softcaps(source, text_config), scales, hf_loss, hf_loss)]
     try:
         output_class, spec, error = _compare_heads(model, cls, head_path, candidates, text_config)
     except Exception as failure:  # noqa: BLE001 - a forward we cannot run on the probe stays HF's
@@ -240,19 +238,32 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
                                extra_parameters=_extra_parameters(cls))
 
 
-_LOGIT_SCALE_ATTRS = ("logit_scale", "logits_scaling", "lm_head_multiplier")
+def _config_number(config: Any, name: str) -> float | None:
+    value = getattr(config, name, None)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _logit_scale(source: str, model: nn.Module, text_config: Any, decoder: str) -> tuple[str | None, bool]:
-    """(the attribute a forward scales its logits by, whether it divides by it), from its source
-    (read off the model, its config or its decoder); the probe then checks the fused forward,
-    which reads it off the model or its text config, does the same."""
-    for name in _LOGIT_SCALE_ATTRS:
-        for owner in ("self", "self.config", f"self.{decoder}"):
-            if f"{owner}.{name}" in source and (getattr(model, name, None) is not None
-                                                 or getattr(text_config, name, None) is not None):
-                return name, f"/ {owner}.{name}" in source
-    return None, False
+def _softcaps(source: str, text_config: Any) -> list[str | None]:
+    """The soft-cap attributes to try, in order: those of the text config the forward names
+    (``final_logit_softcapping``, ``logits_soft_cap``, ...), none, then the config's final
+    soft-cap, which a module the forward calls may apply."""
+    named = [name for name in dict.fromkeys(re.findall(r"\bself\.config(?:\.text_config)?\.(\w*soft_?cap\w*)", source))
+             if _config_number(text_config, name)]
+    after = [_SOFTCAP_ATTR] if _SOFTCAP_ATTR not in named and _config_number(text_config, _SOFTCAP_ATTR) else []
+    return [*named, None, *after]
+
+
+def _logit_scales(source: str, model: nn.Module, text_config: Any) -> list[tuple[str, bool]]:
+    """(attribute, whether it divides) of each number the forward multiplies or divides its
+    logits by (``logits = ... * self.config.text_config.logit_scale``), a number the fused
+    forward can read off the model or its text config; soft-caps are :func:`_softcaps`'."""
+    found = []
+    for line in re.findall(r"^\s*logits\s*[*/]?=(.*)$", source, flags=re.MULTILINE):
+        for op, name in re.findall(r"([*/])\s*self(?:\.\w+)*\.(\w+)\b(?!\s*\()", line):
+            if "cap" in name or (_config_number(model, name) is None and _config_number(text_config, name) is None):
+                continue
+            found.append((name, op == "/"))
+    return list(dict.fromkeys(found))
 
 
 def _extra_parameters(cls: type) -> tuple[str, ...]:
@@ -320,7 +331,8 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         hidden = getattr(text_config, "hidden_size", head_width)
     generator = torch.Generator().manual_seed(4)
     stand_in = _stand_in(model, cls, vocab)
-    softcap = getattr(text_config, _SOFTCAP_ATTR, None) if any(c.logit_softcap_attr for c in candidates) else None
+    softcap = max((_config_number(text_config, c.logit_softcap_attr) or 0.0 for c in candidates if c.logit_softcap_attr),
+                  default=None)
     scale = 3.0 * (softcap or 10.0) / head_width ** 0.5
     device = kernel_device(real_head.weight.device)
     head = nn.Linear(head_width, vocab, bias=real_head.bias is not None)
