@@ -363,14 +363,16 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         reference = cls.forward(stand_in, **common, **extra)
         references.append((extra, reference, torch.autograd.grad(reference.loss, weights)))
     # The fused forward gives its decoder no labels: a forward whose decoder sees them (an
-    # encoder-decoder's decoder_input_ids, shifted from the labels) cannot be reproduced.
+    # encoder-decoder's decoder_input_ids, shifted from the labels) cannot be reproduced. Only
+    # use_cache may differ (BERT turns the cache off for a loss): it does not change the
+    # hidden states.
     with torch.no_grad():
-        stub.calls.clear()
-        cls.forward(stand_in, **common)
-        with_labels = list(stub.calls)
-        stub.calls.clear()
-        cls.forward(stand_in, **{**common, "labels": None})
-    if not _same_value(with_labels, stub.calls):
+        calls = []
+        for labelled in (common, {**common, "labels": None}):
+            stub.calls.clear()
+            cls.forward(stand_in, **labelled)
+            calls.append([(args, {k: v for k, v in kwargs.items() if k != "use_cache"}) for args, kwargs in stub.calls])
+    if not _same_value(*calls):
         return type(reference), None, "its decoder's inputs depend on the labels"
     first_error = None
     for spec in candidates:
