@@ -77,7 +77,9 @@ def test_head_computing_after_its_output_embedding_keeps_its_forward():
         def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             logits = self.cls(hidden)
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     model = DoublingHeadLlama(tiny_model("llama")[0].config).to(DEVICE)

@@ -205,7 +205,7 @@ class FusedLossSpec:
         router_aux_loss_fn: ``"module:function"`` of the router load-balancing loss a
             mixture-of-experts model adds (``router_aux_loss_coef * aux``) when router logits
             are asked; None for a dense model.
-        num_experts_attr: config attribute holding the number of experts that loss takes.
+        num_experts_attr: attribute holding the number of experts that loss takes.
         recompute_norm_outputs: run the decoder inside the norm-output recompute context.
         output_class: ``"module:Class"`` of the model's own output (e.g. a vision-language
             model's, with its image hidden states); its fields not computed here are taken from
@@ -232,7 +232,8 @@ class FusedLossSpec:
             (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
 
     Config attributes are read from the text config (``config.get_text_config()``, the config
-    itself for a causal LM).
+    itself for a causal LM); the logit scale, the expert count, the experts per token and the
+    router loss coefficient from the model first where it holds them (DBRX's ``num_experts``).
     """
 
     logit_softcap_attr: str | None = None
@@ -278,6 +279,12 @@ def _fused_lm_head_loss(
     from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 
     return liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs)
+
+
+def _model_or_config(model: torch.nn.Module, text_config: Any, name: str) -> Any:
+    """``model.<name>``, else ``text_config.<name>`` (a forward reads a constant off either)."""
+    value = getattr(model, name, None)
+    return getattr(text_config, name) if value is None else value
 
 
 def _input_embedding_weight(model: torch.nn.Module) -> torch.Tensor | None:
@@ -400,9 +407,7 @@ def _fused_loss_forward(
     softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
     scale = None
     if spec.logit_scale_attr is not None:
-        scale = getattr(self, spec.logit_scale_attr, None)
-        if scale is None:
-            scale = getattr(text_config, spec.logit_scale_attr)
+        scale = _model_or_config(self, text_config, spec.logit_scale_attr)
         scale = 1.0 / scale if spec.logit_scale_divides else scale
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
@@ -478,13 +483,12 @@ def _fused_loss_forward(
         aux_loss = None
         if output_router_logits:
             aux_loss = _qualified(spec.router_aux_loss_fn)(
-                outputs.router_logits, getattr(text_config, spec.num_experts_attr), text_config.num_experts_per_tok,
+                outputs.router_logits, _model_or_config(self, text_config, spec.num_experts_attr),
+                _model_or_config(self, text_config, "num_experts_per_tok"),
                 attention_mask,
             )
             if loss is not None:
-                coef = getattr(self, spec.aux_loss_coef_attr, None)
-                if coef is None:
-                    coef = getattr(text_config, spec.aux_loss_coef_attr)
+                coef = _model_or_config(self, text_config, spec.aux_loss_coef_attr)
                 loss = loss + coef * aux_loss.to(loss.device)
         fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
     fields[_output_cache_field(output_class)] = getattr(outputs, _output_cache_field(type(outputs)), None)

@@ -211,9 +211,9 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
         count = getattr(model, "num_experts", None)
         present = [name for name in _EXPERT_COUNT_ATTRS if isinstance(getattr(text_config, name, None), int)]
         matching = [name for name in present if getattr(text_config, name) == count]
-        if not (matching or present):
+        if not (matching or present or isinstance(count, int)):
             return "a router loss whose expert count is not in the config"
-        experts_attr = (matching or present)[0]
+        experts_attr = (matching or present or ["num_experts"])[0]
     coef = re.search(r"\bself(?:\.config)?\.(\w*aux_loss_coef)\b", source)
     base = FusedLossSpec(router_aux_loss_fn=aux, num_experts_attr=experts_attr,
                          aux_loss_coef_attr=coef.group(1) if coef else "router_aux_loss_coef", **layout)
@@ -326,9 +326,13 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     # A transform before the output embedding (the model's own) takes the decoder's width and
     # gives the embedding's; without one any width will do.
     head_width, hidden = 16, 16
-    if first.head_transform_attr or first.head_call_attr:
+    transform = first.head_transform_attr or first.head_call_attr
+    if transform:
         head_width = real_head.in_features
-        hidden = getattr(text_config, "hidden_size", head_width)
+        # The width the transform takes: its first linear's (Reformer's head takes both
+        # streams, twice the hidden size).
+        first_linear = next((m for m in _module_at(model, transform).modules() if isinstance(m, nn.Linear)), None)
+        hidden = first_linear.in_features if first_linear is not None else getattr(text_config, "hidden_size", head_width)
     generator = torch.Generator().manual_seed(4)
     stand_in = _stand_in(model, cls, vocab)
     softcap = max((_config_number(text_config, c.logit_softcap_attr) or 0.0 for c in candidates if c.logit_softcap_attr),
@@ -344,7 +348,7 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     hidden_states = torch.randn(batch, seq, hidden, generator=generator).to(device).requires_grad_()
     fields = _StubOutput(last_hidden_state=hidden_states)
     if first.is_moe:
-        experts = getattr(text_config, first.num_experts_attr)
+        experts = getattr(model, first.num_experts_attr, None) or getattr(text_config, first.num_experts_attr)
         fields["router_logits"] = tuple(torch.randn(batch * seq, experts, generator=generator).to(device)
                                         for _ in range(2))
     stub = _StubDecoder(fields, vocab, hidden, _module_at(model, first.decoder_attr)).to(device)
