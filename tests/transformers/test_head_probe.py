@@ -25,7 +25,20 @@ HEAD_LAYOUTS = [
     pytest.param(CAUSAL_LM, "inkling2_text", id="soft-cap-applied-by-a-module"),  # self.logit_softcap(logits)
     pytest.param(CAUSAL_LM, "falcon_h1", id="logit-multiplier-read-off-the-decoder"),  # * self.model.lm_head_multiplier
     pytest.param(IMAGE_TEXT, "idefics3", id="forward-reads-the-decoders-submodules"),  # self.model.text_model
+    pytest.param(CAUSAL_LM, "reformer", id="head-taking-twice-the-hidden-width"),  # both streams concatenated
+    pytest.param(CAUSAL_LM, "dbrx", id="expert-count-read-off-the-model"),  # self.num_experts, not in the config
+    pytest.param(CAUSAL_LM, "recurrent_gemma", id="soft-cap-under-another-name"),  # config.logits_soft_cap
+    pytest.param(IMAGE_TEXT, "aya_vision", id="logit-scale-in-the-text-config"),  # config.text_config.logit_scale
 ]
+
+
+def test_decoder_fed_from_the_labels_keeps_its_forward():
+    """An encoder-decoder whose decoder inputs are shifted from the labels (Florence-2): the fused
+    forward gives its decoder no labels, so the head stays HF's, with the reason."""
+    result = run_case(IMAGE_TEXT, "florence2")
+    assert result.status == "equal", (result.status, result.detail)
+    assert "fused_linear_cross_entropy" not in result.patched
+    assert any("depend on the labels" in why for _, why in result.left_alone), result.left_alone
 
 
 @pytest.mark.parametrize("task, model_type", HEAD_LAYOUTS)

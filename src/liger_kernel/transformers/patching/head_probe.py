@@ -185,6 +185,9 @@ def _layout(model: nn.Module, source: str) -> dict[str, Any] | str:
     head_parts = {head_path, top, layout["head_transform_attr"]}
     decoders = [path for path in called if path not in head_parts and not head_path.startswith(path + ".")]
     prefix = decoders[0] if len(decoders) == 1 else getattr(model, "base_model_prefix", "")
+    if not decoders and layout["head_call_attr"] and hasattr(_module_at(model, top), "get_output_embeddings"):
+        return (f"it takes its logits from its nested language model {top}, which computes them itself "
+                "(no decoder whose hidden states the fused loss could take)")
     if not prefix or _module_at(model, prefix) is None:
         return f"no decoder among its children (base_model_prefix {getattr(model, 'base_model_prefix', '')!r})"
     layout["decoder_attr"] = prefix
@@ -363,7 +366,9 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         common["output_router_logits"] = True
     weights = [hidden_states, head.weight]
     references = []
-    for extra in ({}, {"num_items_in_batch": torch.tensor(9, device=device)}):
+    # 7 items: neither the 9 targets counted with shifted labels nor the 10 without, so a loss
+    # that ignores num_items_in_batch is told apart from one dividing by it.
+    for extra in ({}, {"num_items_in_batch": torch.tensor(7, device=device)}):
         reference = cls.forward(stand_in, **common, **extra)
         references.append((extra, reference, torch.autograd.grad(reference.loss, weights)))
     # The fused forward gives its decoder no labels: a forward whose decoder sees them (an
