@@ -29,6 +29,7 @@ HEAD_LAYOUTS = [
     pytest.param(CAUSAL_LM, "dbrx", id="expert-count-read-off-the-model"),  # self.num_experts, not in the config
     pytest.param(CAUSAL_LM, "recurrent_gemma", id="soft-cap-under-another-name"),  # config.logits_soft_cap
     pytest.param(IMAGE_TEXT, "aya_vision", id="logit-scale-in-the-text-config"),  # config.text_config.logit_scale
+    pytest.param(IMAGE_TEXT, "kosmos-2.5", id="nested-language-model-given-the-labels"),  # self.text_model(labels=...)
 ]
 
 

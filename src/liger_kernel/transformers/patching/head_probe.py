@@ -194,6 +194,22 @@ def _layout(model: nn.Module, source: str) -> dict[str, Any] | str:
     return layout
 
 
+def labelled_language_model(model: nn.Module) -> str | None:
+    """The child of ``model`` holding its output embedding that its forward calls with
+    ``labels=labels`` (KOSMOS-2.5's ``text_model``): a language model computing the loss itself,
+    whose own head probe decides its fused forward; None if there is none."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None
+    path = next((name for name, module in model.named_modules() if module is head), None)
+    top = path.split(".")[0] if path and "." in path else None
+    if top is None or not hasattr(model._modules[top], "get_output_embeddings"):
+        return None
+    source = _source(base_class(model).forward)
+    call = re.search(rf"\bself\.{re.escape(top)}\(((?:[^()]|\((?:[^()]|\([^()]*\))*\))*)\)", source)
+    return top if call is not None and re.search(r"\blabels\s*=\s*labels\b", call.group(1)) else None
+
+
 def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
     import dataclasses
     import itertools
@@ -372,15 +388,14 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         reference = cls.forward(stand_in, **common, **extra)
         references.append((extra, reference, torch.autograd.grad(reference.loss, weights)))
     # The fused forward gives its decoder no labels: a forward whose decoder sees them (an
-    # encoder-decoder's decoder_input_ids, shifted from the labels) cannot be reproduced. Only
-    # use_cache may differ (BERT turns the cache off for a loss): it does not change the
-    # hidden states.
+    # encoder-decoder's decoder_input_ids, shifted from the labels) cannot be reproduced. Its
+    # decoder is called alike for other labels.
     with torch.no_grad():
         calls = []
-        for labelled in (common, {**common, "labels": None}):
+        for other in (labels, torch.randint(0, vocab, labels.shape, generator=generator).to(device)):
             stub.calls.clear()
-            cls.forward(stand_in, **labelled)
-            calls.append([(args, {k: v for k, v in kwargs.items() if k != "use_cache"}) for args, kwargs in stub.calls])
+            cls.forward(stand_in, **{**common, "labels": other})
+            calls.append(list(stub.calls))
     if not _same_value(*calls):
         return type(reference), None, "its decoder's inputs depend on the labels"
     first_error = None
