@@ -25,6 +25,11 @@ Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_uti
 * a mixture-of-experts family adds ``router_aux_loss_coef * aux`` where ``aux`` is the
   modeling module's load-balancing loss of the router logits (``output_router_logits``).
 
+Where the model's own forward differs, :class:`FusedLossSpec` says how (its head probe proved
+it): labels taken unshifted and ``num_items_in_batch`` ignored (BART-style decoders calling
+``CrossEntropyLoss``), logits scaled by a constant, a decoder at a nested path, a transform or
+head module run before the output embedding (BERT's ``cls``, ModernBERT's ``lm_head``).
+
 The forward is built per :class:`FusedLossSpec` (:func:`fused_loss_forward`): the family's
 soft-cap attribute and router loss, and whether the norm outputs are recomputed. With
 ``recompute_norm_outputs`` the decoder runs inside

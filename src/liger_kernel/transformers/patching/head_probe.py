@@ -1,11 +1,15 @@
 """The head and loss of a model, proven equal to the one fused-loss forward before it is replaced.
 
-A ``*ForCausalLM`` / ``*ForConditionalGeneration`` forward that computes logits with its output
-embedding from the decoder's last hidden states and calls ``self.loss_function`` is a
-candidate; :func:`probe_head` runs it and the fused forward on a stand-in (a stub decoder, a
-small random head) and returns the :class:`~liger_kernel.transformers.causal_lm.FusedLossSpec`
-(soft-cap, MoE router loss, output class, decoder, extra parameters read from the forward and
-the config) when loss, gradients and logits agree, else why not.
+A ``*ForCausalLM`` / ``*ForConditionalGeneration`` forward that takes a decoder's last hidden
+states to its ``nn.Linear`` output embedding (``get_output_embeddings()``) - directly, through a
+transform child (``self.decoder(self.lm_head(h))``), or inside the head child it calls (BERT's
+``self.cls(h)``) - and computes a cross entropy of the logits (``self.loss_function`` or its
+own) is a candidate; :func:`probe_head` runs it and the fused forward on a stand-in (a stub
+decoder, a small random output embedding) and returns the
+:class:`~liger_kernel.transformers.causal_lm.FusedLossSpec` (where the decoder and the head sit,
+soft-cap, logit scale, label shift, MoE router loss, output class, extra parameters) when loss,
+gradients and logits agree, else why not. A model whose forward hands its labels to a nested
+language model (:func:`labelled_language_model`) gets that model's probe instead.
 """
 
 from __future__ import annotations
