@@ -30,6 +30,8 @@ HEAD_LAYOUTS = [
     pytest.param(CAUSAL_LM, "recurrent_gemma", id="soft-cap-under-another-name"),  # config.logits_soft_cap
     pytest.param(IMAGE_TEXT, "aya_vision", id="logit-scale-in-the-text-config"),  # config.text_config.logit_scale
     pytest.param(IMAGE_TEXT, "kosmos-2.5", id="nested-language-model-given-the-labels"),  # self.text_model(labels=...)
+    pytest.param(CAUSAL_LM, "minicpm3", id="hidden-states-scaled-before-the-head"),  # hidden_states / logits_scaling
+    pytest.param(IMAGE_TEXT, "gemma3", id="decoder-given-the-labels-it-ignores"),  # self.model(labels=labels)
 ]
 
 

@@ -245,7 +245,7 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
     # self.loss_function (unshifted, a mean, for a cross entropy called directly).
     scales: list[tuple[str | None, bool]] = [(None, False)]
     if head.bias is None:  # (s h) W^T = s (h W^T) only without a bias
-        scales = _logit_scales(source, model, text_config)[:1] + scales
+        scales = _logit_scales(source, model, text_config) + scales
     hf_loss = [True, False] if "self.loss_function(" in source else [False, True]
     candidates = [dataclasses.replace(base, logit_softcap_attr=softcap, logit_scale_attr=scale, logit_scale_divides=divides,
                                       shifts_labels=shifts, counts_items=counts)
@@ -278,10 +278,11 @@ def _softcaps(source: str, text_config: Any) -> list[str | None]:
 
 def _logit_scales(source: str, model: nn.Module, text_config: Any) -> list[tuple[str, bool]]:
     """(attribute, whether it divides) of each number the forward multiplies or divides its
-    logits by (``logits = ... * self.config.text_config.logit_scale``), a number the fused
-    forward can read off the model or its text config; soft-caps are :func:`_softcaps`'."""
+    logits or the hidden states before the head by (``logits = ... * self.config.text_config.logit_scale``,
+    MiniCPM3's ``hidden_states = hidden_states / self.config.logits_scaling``), a number the
+    fused forward can read off the model or its text config; soft-caps are :func:`_softcaps`'."""
     found = []
-    for line in re.findall(r"^\s*logits\s*[*/]?=(.*)$", source, flags=re.MULTILINE):
+    for line in re.findall(r"^\s*(?:logits|hidden_states)\s*[*/]?=(.*)$", source, flags=re.MULTILINE):
         for op, name in re.findall(r"([*/])\s*self(?:\.\w+)*\.(\w+)\b(?!\s*\()", line):
             if "cap" in name or (_config_number(model, name) is None and _config_number(text_config, name) is None):
                 continue
@@ -393,13 +394,14 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         references.append((extra, reference, torch.autograd.grad(reference.loss, weights)))
     # The fused forward gives its decoder no labels: a forward whose decoder sees them (an
     # encoder-decoder's decoder_input_ids, shifted from the labels) cannot be reproduced. Its
-    # decoder is called alike for other labels.
+    # decoder is called alike for other labels, but for the labels themselves, which a
+    # multimodal decoder takes and ignores (Gemma 3's).
     with torch.no_grad():
         calls = []
         for other in (labels, torch.randint(0, vocab, labels.shape, generator=generator).to(device)):
             stub.calls.clear()
             cls.forward(stand_in, **{**common, "labels": other})
-            calls.append(list(stub.calls))
+            calls.append([(args, {k: v for k, v in kwargs.items() if k != "labels"}) for args, kwargs in stub.calls])
     if not _same_value(*calls):
         return type(reference), None, "its decoder's inputs depend on the labels"
     first_error = None
