@@ -159,3 +159,16 @@ def test_output_embedding_input_is_what_the_head_feeds_it():
     assert not head.decoder._forward_pre_hooks, "the stopping hook must be removed"
     with pytest.raises(ValueError, match="never called its output embedding"):
         output_embedding_input(head.transform, head.decoder, hidden)
+
+
+def test_logits_sliced_to_a_smaller_vocabulary_keep_their_forward():
+    """Inkling slices its logits to ``unpadded_vocab_size`` when that is below the head's rows:
+    the fused loss, over every row, differs, and the probe sees it although it shrinks the
+    vocabulary."""
+    from liger_kernel.transformers.patching import head_probe
+
+    model, _ = tiny_model("inkling_text")
+    assert not isinstance(head_probe.probe_head(model), str)  # no slicing: fused
+    model.config.unpadded_vocab_size = model.config.vocab_size - 3
+    why = head_probe.probe_head(model)
+    assert isinstance(why, str) and "differs" in why, why

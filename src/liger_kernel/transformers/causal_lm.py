@@ -316,11 +316,13 @@ def output_embedding_input(head: torch.nn.Module, output_embedding: torch.nn.Mod
 
     The run stops at the embedding's call, before its logits are computed: a forward pre-hook
     raises with the embedding's input, which keeps its autograd graph through the transform.
+    The hook runs before any other (``prepend``): an FSDP or accelerate pre-forward does not
+    gather a weight the aborted call never uses.
     """
     def stop(module: torch.nn.Module, args: tuple) -> None:
         raise _OutputEmbeddingReached(args[0])
 
-    handle = output_embedding.register_forward_pre_hook(stop)
+    handle = output_embedding.register_forward_pre_hook(stop, prepend=True)
     try:
         head(hidden_states)
     except _OutputEmbeddingReached as reached:

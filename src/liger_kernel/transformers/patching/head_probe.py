@@ -319,7 +319,8 @@ def _replace_module(root: nn.Module, path: str, module: nn.Module) -> None:
 
 def _stand_in(model: nn.Module, cls: type, vocab: int) -> nn.Module:
     """An instance of ``cls`` sharing ``model``'s attributes and children, with a copy of its
-    config whose vocabulary is ``vocab``."""
+    config whose vocabulary is ``vocab``. Another vocabulary size of the config below the
+    vocabulary (Inkling's ``unpadded_vocab_size``, a slice of the logits) stays below it."""
     stand_in = cls.__new__(cls)
     nn.Module.__init__(stand_in)
     for name, value in vars(model).items():
@@ -328,8 +329,13 @@ def _stand_in(model: nn.Module, cls: type, vocab: int) -> nn.Module:
     stand_in._modules = dict(model._modules)
     config = copy.deepcopy(model.config)
     for target in {id(config): config, id(text_config_of(config)): text_config_of(config)}.values():
-        if hasattr(target, "vocab_size"):
-            target.vocab_size = vocab
+        original = getattr(target, "vocab_size", None)
+        if not isinstance(original, int):
+            continue
+        for name, value in list(vars(target).items()):
+            if "vocab" in name and type(value) is int and 0 < value < original:
+                setattr(target, name, vocab - 1)
+        target.vocab_size = vocab
     stand_in.config = config
     if isinstance(getattr(stand_in, "vocab_size", None), int):
         stand_in.vocab_size = vocab
@@ -379,7 +385,8 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     _replace_module(stand_in, first.decoder_attr, stub)
     # Not .train(): that would recurse into the children the stand-in shares with the model.
     stand_in.training = True
-    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+    # Tokens below vocab - 1, the size a smaller vocabulary of the config gets (_stand_in).
+    input_ids = torch.randint(0, vocab - 1, (batch, seq), generator=generator).to(device)
     labels = input_ids.clone()
     labels[0, :2] = -100
     common = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
@@ -398,7 +405,7 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     # multimodal decoder takes and ignores (Gemma 3's).
     with torch.no_grad():
         calls = []
-        for other in (labels, torch.randint(0, vocab, labels.shape, generator=generator).to(device)):
+        for other in (labels, torch.randint(0, vocab - 1, labels.shape, generator=generator).to(device)):
             stub.calls.clear()
             cls.forward(stand_in, **{**common, "labels": other})
             calls.append([(args, {k: v for k, v in kwargs.items() if k != "labels"}) for args, kwargs in stub.calls])
