@@ -63,29 +63,34 @@ def _patch_head_only(model: nn.Module):
     return report
 
 
-class _DoublingHead(nn.Module):
-    """A BERT-style head whose logits are doubled after its output embedding: the fused loss,
-    which stops at the embedding, cannot reproduce it."""
+class _TransformHead(nn.Module):
+    """A BERT-style head: a transform, then the output embedding ``decoder``, whose logits are
+    multiplied by ``factor`` (2: something the fused loss, which stops at the embedding,
+    cannot reproduce)."""
 
-    def __init__(self, hidden: int, vocab: int) -> None:
+    def __init__(self, hidden: int, vocab: int, factor: float) -> None:
         super().__init__()
         self.transform = nn.Linear(hidden, hidden)
         self.decoder = nn.Linear(hidden, vocab)
+        self.factor = factor
 
     def forward(self, hidden_states):
-        return 2.0 * self.decoder(torch.tanh(self.transform(hidden_states)))
+        logits = self.decoder(torch.tanh(self.transform(hidden_states)))
+        return logits if self.factor == 1.0 else self.factor * logits
 
 
-def test_head_computing_after_its_output_embedding_keeps_its_forward():
+def _head_module_llama(factor: float) -> nn.Module:
+    """A tiny Llama whose logits come from a :class:`_TransformHead` child ``cls``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from transformers import LlamaForCausalLM
 
-    class DoublingHeadLlama(LlamaForCausalLM):
+    class HeadModuleLlama(LlamaForCausalLM):
         def __init__(self, config):
             super().__init__(config)
             del self.lm_head
-            self.cls = _DoublingHead(config.hidden_size, config.vocab_size)
+            self.cls = _TransformHead(config.hidden_size, config.vocab_size, factor)
+            self.loss_type = "ForCausalLM"  # HF warns (a graph break) when the class name gives none
 
         def get_output_embeddings(self):
             return self.cls.decoder
@@ -98,10 +103,49 @@ def test_head_computing_after_its_output_embedding_keeps_its_forward():
                 loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    model = DoublingHeadLlama(tiny_model("llama")[0].config).to(DEVICE)
-    report = _patch_head_only(model)
+    return HeadModuleLlama(tiny_model("llama")[0].config).to(DEVICE)
+
+
+def test_head_computing_after_its_output_embedding_keeps_its_forward():
+    report = _patch_head_only(_head_module_llama(factor=2.0))
     assert "fused_linear_cross_entropy" not in report.patched
     assert any("loss" in what and "differs" in why for what, why in report.left_alone), report.left_alone
+
+
+def test_head_module_is_fused_eagerly_and_traced_whole_when_compiled():
+    """The output embedding inside the head child: fused in eager mode (its input taken by a
+    stop hook), and under ``torch.compile(fullgraph=True)`` the head module gives the logits
+    (a hook cannot be traced), one graph with the eager loss and gradients."""
+    import copy
+
+    model = _head_module_llama(factor=1.0)
+    batch = tiny_model("llama")[1]
+    reference = copy.deepcopy(model)
+    report = _patch_head_only(model)
+    assert "fused_linear_cross_entropy" in report.patched, report.left_alone
+    for run in ("eager", "compiled"):
+        model.zero_grad()
+        reference.zero_grad()
+        graphs = []
+
+        def capture(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        try:
+            forward = model if run == "eager" else torch.compile(model, backend=capture, fullgraph=True)
+            loss = forward(**batch).loss
+            loss.backward()
+        finally:
+            torch._dynamo.reset()
+        expected = reference(**batch).loss
+        expected.backward()
+        assert len(graphs) == (run == "compiled")
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        for (name, param), other in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, other.grad, rtol=1e-4, atol=1e-4 * other.grad.abs().max().item(),
+                                       msg=f"{run} {name}")
 
 
 def test_shifted_cross_entropy_called_directly_is_recognised():
@@ -148,7 +192,7 @@ def test_shifted_cross_entropy_called_directly_is_recognised():
 def test_output_embedding_input_is_what_the_head_feeds_it():
     """(B, T, H) -> the (B, T, H') input the head passes its output embedding, with gradients
     flowing through the head's transform; a head that never calls the embedding is an error."""
-    head = _DoublingHead(8, 11).to(DEVICE)
+    head = _TransformHead(8, 11, factor=1.0).to(DEVICE)
     hidden = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
     features = output_embedding_input(head, head.decoder, hidden)
     expected = torch.tanh(head.transform(hidden))
@@ -172,3 +216,29 @@ def test_logits_sliced_to_a_smaller_vocabulary_keep_their_forward():
     model.config.unpadded_vocab_size = model.config.vocab_size - 3
     why = head_probe.probe_head(model)
     assert isinstance(why, str) and "differs" in why, why
+
+
+@pytest.mark.parametrize("model_type", ["opt", "modernbert-decoder"])
+def test_probed_fused_forward_traces_as_one_graph(model_type):
+    """The fused forward a probe built (its output class named in the spec, a head transform)
+    traces under ``torch.compile(fullgraph=True)`` without a graph break, and the traced step
+    gives the eager loss."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    model, batch = tiny_model(model_type)
+    report = _apply_liger_kernel_to_instance(model=model)
+    assert "fused_linear_cross_entropy" in report.patched, report.left_alone
+    eager = model(**batch).loss
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    try:
+        traced = torch.compile(model, backend=capture, fullgraph=True)(**batch).loss
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)

@@ -261,13 +261,21 @@ class FusedLossSpec:
         return self.router_aux_loss_fn is not None
 
 
+# ``"module:attribute"`` -> the object, imported once: :func:`fused_loss_forward` resolves a
+# spec's names when it builds the forward, so the forward itself only reads this dict (an
+# import is a graph break under torch.compile).
+_QUALIFIED: dict[str, Any] = {}
+
+
 def _qualified(name: str):
     """The object ``"module:attribute"`` names."""
-    module, attribute = name.split(":")
-    value = importlib.import_module(module)
-    for part in attribute.split("."):
-        value = getattr(value, part)
-    return value
+    if name not in _QUALIFIED:
+        module, attribute = name.split(":")
+        value = importlib.import_module(module)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+        _QUALIFIED[name] = value
+    return _QUALIFIED[name]
 
 
 def text_config_of(config):
@@ -401,8 +409,13 @@ def _fused_loss_forward(
 
     hidden_states = _positions_to_keep(outputs.last_hidden_state, logits_to_keep)
     lm_head = self.get_output_embeddings()
+    # What gives the logits on the unfused path: the output embedding, or the head module
+    # holding it while compiling (the stop hook of output_embedding_input cannot be traced).
+    logits_head = lm_head
     if spec.head_transform_attr is not None:
         hidden_states = getattr(self, spec.head_transform_attr)(hidden_states)
+    elif spec.head_call_attr is not None and torch.compiler.is_compiling():
+        logits_head = getattr(self, spec.head_call_attr)
     elif spec.head_call_attr is not None:
         hidden_states = output_embedding_input(getattr(self, spec.head_call_attr), lm_head, hidden_states)
     has_targets = labels is not None or shift_labels is not None
@@ -424,10 +437,11 @@ def _fused_loss_forward(
     # moved the inputs and loaded the weights. (fully_shard turns an nn.Linear into an
     # FSDPLinear subclass: still fusable.)
     is_linear = unwrapped_class(lm_head) is torch.nn.Linear
-    fusable = is_linear and (accelerate_hooked(lm_head) or not forward_is_wrapped(lm_head))
+    replaced = forward_is_wrapped(lm_head) and not accelerate_hooked(lm_head)
+    fusable = is_linear and not replaced and logits_head is lm_head
     if skip_logits and not is_linear:
         _warn_once(f"lm_head is a {type(lm_head).__name__}, not an nn.Linear: computing the loss from logits.")
-    elif skip_logits and not fusable:
+    elif skip_logits and replaced:
         _warn_once("lm_head's forward is replaced on the instance (not by an accelerate hook): "
                    "computing the loss from logits.")
     loss = None
@@ -458,7 +472,7 @@ def _fused_loss_forward(
         if num_items_in_batch is not None:
             loss = _divide_by_items(loss, num_items_in_batch)
     else:
-        logits = lm_head(hidden_states)
+        logits = logits_head(hidden_states)
         if scale is not None:
             logits = logits * scale
         if softcap is not None:
@@ -524,6 +538,9 @@ def fused_loss_forward(spec: FusedLossSpec = FusedLossSpec()):
     """
     # Looked up now (patching or unpickling), not in the forward: torch.compile cannot trace it there.
     _hf_slice_logits_to_keep()
+    for name in (spec.output_class, spec.router_aux_loss_fn):
+        if name is not None:
+            _qualified(name)
     return _build_fused_loss_forward(spec)
 
 
