@@ -25,6 +25,11 @@ Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_uti
 * a mixture-of-experts family adds ``router_aux_loss_coef * aux`` where ``aux`` is the
   modeling module's load-balancing loss of the router logits (``output_router_logits``).
 
+Where the model's own forward differs, :class:`FusedLossSpec` says how (its head probe proved
+it): labels taken unshifted and ``num_items_in_batch`` ignored (BART-style decoders calling
+``CrossEntropyLoss``), logits scaled by a constant, a decoder at a nested path, a transform or
+head module run before the output embedding (BERT's ``cls``, ModernBERT's ``lm_head``).
+
 The forward is built per :class:`FusedLossSpec` (:func:`fused_loss_forward`): the family's
 soft-cap attribute and router loss, and whether the norm outputs are recomputed. With
 ``recompute_norm_outputs`` the decoder runs inside
@@ -205,7 +210,7 @@ class FusedLossSpec:
         router_aux_loss_fn: ``"module:function"`` of the router load-balancing loss a
             mixture-of-experts model adds (``router_aux_loss_coef * aux``) when router logits
             are asked; None for a dense model.
-        num_experts_attr: config attribute holding the number of experts that loss takes.
+        num_experts_attr: attribute holding the number of experts that loss takes.
         recompute_norm_outputs: run the decoder inside the norm-output recompute context.
         output_class: ``"module:Class"`` of the model's own output (e.g. a vision-language
             model's, with its image hidden states); its fields not computed here are taken from
@@ -214,14 +219,26 @@ class FusedLossSpec:
             with ``logit_scale_divides``, divided by (Granite's ``logits_scaling``): read off the
             model, else its text config. The fused loss scales the hidden states instead
             (``(s h) W^T = s (h W^T)``; only for a head without bias).
-        decoder_attr: the attribute holding the decoder the forward calls; None: the model's
-            ``base_model_prefix``.
+        decoder_attr: the (dotted) path of the decoder the forward calls (``model``, OPT's
+            ``model.decoder``); None: the model's ``base_model_prefix``.
+        head_transform_attr: a child the forward applies to the decoder's hidden states before the
+            output embedding (ModernBERT's ``self.decoder(self.lm_head(h))``); None if none.
+        head_call_attr: the child the forward calls on the hidden states when the output embedding
+            sits inside it (BERT's ``cls`` holding ``cls.predictions.decoder`` after a transform):
+            the fused loss runs it up to the output embedding and takes that embedding's input.
+        shifts_labels: whether the forward shifts the labels (HF's causal-LM loss); False when
+            ``labels[:, t]`` is already the target of position ``t`` (BART-style decoders).
+        counts_items: whether ``num_items_in_batch`` divides the summed loss (False: the forward's
+            loss is always the mean over counted targets).
+        aux_loss_coef_attr: the attribute (of the model, else its text config) holding the router
+            loss coefficient.
         extra_parameters: names the model's own forward takes besides the standard ones
             (``pixel_values``, ``image_sizes``, ...): listed in the fused forward's signature
             (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
 
     Config attributes are read from the text config (``config.get_text_config()``, the config
-    itself for a causal LM).
+    itself for a causal LM); the logit scale, the expert count, the experts per token and the
+    router loss coefficient from the model first where it holds them (DBRX's ``num_experts``).
     """
 
     logit_softcap_attr: str | None = None
@@ -233,19 +250,32 @@ class FusedLossSpec:
     decoder_attr: str | None = None
     logit_scale_attr: str | None = None
     logit_scale_divides: bool = False
+    head_transform_attr: str | None = None
+    head_call_attr: str | None = None
+    shifts_labels: bool = True
+    counts_items: bool = True
+    aux_loss_coef_attr: str = "router_aux_loss_coef"
 
     @property
     def is_moe(self) -> bool:
         return self.router_aux_loss_fn is not None
 
 
+# ``"module:attribute"`` -> the object, imported once: :func:`fused_loss_forward` resolves a
+# spec's names when it builds the forward, so the forward itself only reads this dict (an
+# import is a graph break under torch.compile).
+_QUALIFIED: dict[str, Any] = {}
+
+
 def _qualified(name: str):
     """The object ``"module:attribute"`` names."""
-    module, attribute = name.split(":")
-    value = importlib.import_module(module)
-    for part in attribute.split("."):
-        value = getattr(value, part)
-    return value
+    if name not in _QUALIFIED:
+        module, attribute = name.split(":")
+        value = importlib.import_module(module)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+        _QUALIFIED[name] = value
+    return _QUALIFIED[name]
 
 
 def text_config_of(config):
@@ -262,6 +292,52 @@ def _fused_lm_head_loss(
     from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 
     return liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs)
+
+
+def _model_or_config(model: torch.nn.Module, text_config: Any, name: str) -> Any:
+    """``model.<name>``, else ``text_config.<name>`` (a forward reads a constant off either)."""
+    value = getattr(model, name, None)
+    return getattr(text_config, name) if value is None else value
+
+
+def _input_embedding_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    """The input embedding's weight, or None where HF cannot name the input embedding (a
+    composite model that does not override ``get_input_embeddings``)."""
+    try:
+        return getattr(model.get_input_embeddings(), "weight", None)
+    except NotImplementedError:
+        return None
+
+
+class _OutputEmbeddingReached(Exception):
+    """Raised by the pre-hook of :func:`output_embedding_input` with the embedding's input."""
+
+    def __init__(self, features: torch.Tensor) -> None:
+        super().__init__()
+        self.features = features
+
+
+def output_embedding_input(head: torch.nn.Module, output_embedding: torch.nn.Module,
+                           hidden_states: torch.Tensor) -> torch.Tensor:
+    """What ``head(hidden_states)`` passes to ``output_embedding``, a module inside ``head``
+    (BERT's ``cls`` runs a dense/activation/norm transform, then ``cls.predictions.decoder``).
+
+    The run stops at the embedding's call, before its logits are computed: a forward pre-hook
+    raises with the embedding's input, which keeps its autograd graph through the transform.
+    The hook runs before any other (``prepend``): an FSDP or accelerate pre-forward does not
+    gather a weight the aborted call never uses.
+    """
+    def stop(module: torch.nn.Module, args: tuple) -> None:
+        raise _OutputEmbeddingReached(args[0])
+
+    handle = output_embedding.register_forward_pre_hook(stop, prepend=True)
+    try:
+        head(hidden_states)
+    except _OutputEmbeddingReached as reached:
+        return reached.features
+    finally:
+        handle.remove()
+    raise ValueError(f"{type(head).__name__} never called its output embedding {type(output_embedding).__name__}")
 
 
 def _fused_loss_forward(
@@ -288,8 +364,13 @@ def _fused_loss_forward(
     if return_dict is None:
         return_dict = getattr(config, "return_dict", True)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    if not spec.counts_items:
+        num_items_in_batch = None
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    if shift_labels is None and labels is not None and not spec.shifts_labels:
+        # The forward takes labels already aligned with the positions: they are the targets.
+        shift_labels, labels = labels, None
     # 5.24's generate() passes the KV cache as ``cache``.
     cache = kwargs.pop("cache", None)
     if past_key_values is None:
@@ -304,13 +385,13 @@ def _fused_loss_forward(
                 output_router_logits = getattr(text_config, "output_router_logits", False)
         kwargs["output_router_logits"] = output_router_logits
 
-    base_model = getattr(self, spec.decoder_attr or self.base_model_prefix)
+    base_model = self.get_submodule(spec.decoder_attr or self.base_model_prefix)
     kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
     recompute = spec.recompute_norm_outputs and torch.is_grad_enabled() and not torch.compiler.is_compiling()
     if recompute:
         # The residual stream's dtype is the embeddings'; its device the inputs' (offloaded
         # embedding weights sit on the meta device until their hook loads them).
-        residual = inputs_embeds if inputs_embeds is not None else getattr(self.get_input_embeddings(), "weight", None)
+        residual = inputs_embeds if inputs_embeds is not None else _input_embedding_weight(self)
         placed = inputs_embeds if inputs_embeds is not None else input_ids
         # Under autocast the projections save casts of the norm outputs: nothing to recompute.
         if isinstance(residual, torch.Tensor) and isinstance(placed, torch.Tensor):
@@ -327,6 +408,16 @@ def _fused_loss_forward(
         )
 
     hidden_states = _positions_to_keep(outputs.last_hidden_state, logits_to_keep)
+    lm_head = self.get_output_embeddings()
+    # What gives the logits on the unfused path: the output embedding, or the head module
+    # holding it while compiling (the stop hook of output_embedding_input cannot be traced).
+    logits_head = lm_head
+    if spec.head_transform_attr is not None:
+        hidden_states = getattr(self, spec.head_transform_attr)(hidden_states)
+    elif spec.head_call_attr is not None and torch.compiler.is_compiling():
+        logits_head = getattr(self, spec.head_call_attr)
+    elif spec.head_call_attr is not None:
+        hidden_states = output_embedding_input(getattr(self, spec.head_call_attr), lm_head, hidden_states)
     has_targets = labels is not None or shift_labels is not None
     if skip_logits is None:
         skip_logits = self.training and has_targets
@@ -336,11 +427,8 @@ def _fused_loss_forward(
     softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
     scale = None
     if spec.logit_scale_attr is not None:
-        scale = getattr(self, spec.logit_scale_attr, None)
-        if scale is None:
-            scale = getattr(text_config, spec.logit_scale_attr)
+        scale = _model_or_config(self, text_config, spec.logit_scale_attr)
         scale = 1.0 / scale if spec.logit_scale_divides else scale
-    lm_head = self.get_output_embeddings()
     # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
     # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
     # exact unfused path instead, and so does a head whose forward something other than
@@ -349,10 +437,11 @@ def _fused_loss_forward(
     # moved the inputs and loaded the weights. (fully_shard turns an nn.Linear into an
     # FSDPLinear subclass: still fusable.)
     is_linear = unwrapped_class(lm_head) is torch.nn.Linear
-    fusable = is_linear and (accelerate_hooked(lm_head) or not forward_is_wrapped(lm_head))
+    replaced = forward_is_wrapped(lm_head) and not accelerate_hooked(lm_head)
+    fusable = is_linear and not replaced and logits_head is lm_head
     if skip_logits and not is_linear:
         _warn_once(f"lm_head is a {type(lm_head).__name__}, not an nn.Linear: computing the loss from logits.")
-    elif skip_logits and not fusable:
+    elif skip_logits and replaced:
         _warn_once("lm_head's forward is replaced on the instance (not by an accelerate hook): "
                    "computing the loss from logits.")
     loss = None
@@ -383,7 +472,7 @@ def _fused_loss_forward(
         if num_items_in_batch is not None:
             loss = _divide_by_items(loss, num_items_in_batch)
     else:
-        logits = lm_head(hidden_states)
+        logits = logits_head(hidden_states)
         if scale is not None:
             logits = logits * scale
         if softcap is not None:
@@ -415,11 +504,13 @@ def _fused_loss_forward(
         aux_loss = None
         if output_router_logits:
             aux_loss = _qualified(spec.router_aux_loss_fn)(
-                outputs.router_logits, getattr(text_config, spec.num_experts_attr), text_config.num_experts_per_tok,
+                outputs.router_logits, _model_or_config(self, text_config, spec.num_experts_attr),
+                _model_or_config(self, text_config, "num_experts_per_tok"),
                 attention_mask,
             )
             if loss is not None:
-                loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
+                coef = _model_or_config(self, text_config, spec.aux_loss_coef_attr)
+                loss = loss + coef * aux_loss.to(loss.device)
         fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
     fields[_output_cache_field(output_class)] = getattr(outputs, _output_cache_field(type(outputs)), None)
     if spec.output_class is not None:
@@ -447,6 +538,9 @@ def fused_loss_forward(spec: FusedLossSpec = FusedLossSpec()):
     """
     # Looked up now (patching or unpickling), not in the forward: torch.compile cannot trace it there.
     _hf_slice_logits_to_keep()
+    for name in (spec.output_class, spec.router_aux_loss_fn):
+        if name is not None:
+            _qualified(name)
     return _build_fused_loss_forward(spec)
 
 

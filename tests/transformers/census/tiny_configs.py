@@ -625,13 +625,17 @@ def build_model(model_cls: type, config: Any, seed: int) -> torch.nn.Module:
 
 
 def token_batch(config: Any, batch: int, sequence: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ``(input_ids, labels)`` of shape ``(batch, sequence)`` on ``DEVICE``, drawn from the
-    ids that are no special token; the first row has its first 5 targets ignored, the other none."""
+    """Random ``(input_ids, labels)`` of shape ``(batch, sequence)`` on ``DEVICE``, drawn apart from
+    the ids that are no special token; the first row has its first 5 targets ignored, the other none.
+
+    The labels are not the inputs: a decoder taking unshifted labels (BART's ``*ForCausalLM``)
+    with its head tied to its input embedding would predict its own input, a saturated loss
+    whose gradients are round-off."""
     vocab = text_vocab_size(config)
     reserved = reserved_token_ids(config)
     allowed = torch.tensor([t for t in range(3, vocab) if t not in reserved])
     ids = allowed[torch.randint(len(allowed), (batch, sequence), generator=generator)]
-    labels = ids.clone()
+    labels = allowed[torch.randint(len(allowed), (batch, sequence), generator=generator)]
     labels[0, :5] = -100
     return ids.to(DEVICE), labels.to(DEVICE)
 

@@ -132,16 +132,30 @@ class _Walk:
                 self.rope(module, *found)
 
 
+def _probed_head(model: nn.Module) -> tuple[nn.Module, object]:
+    """(the module whose forward gets the fused loss, its spec or why not): ``model`` itself, or
+    the nested language model its forward hands the labels to when ``model``'s own probe fails."""
+    try:
+        spec = head_probe.probe_head(model)
+        nested = head_probe.labelled_language_model(model) if isinstance(spec, str) else None
+        if nested is not None:
+            nested_spec = head_probe.probe_head(getattr(model, nested))
+            if not isinstance(nested_spec, str):
+                return getattr(model, nested), nested_spec
+            spec = f"{spec}; its language model {nested}: {nested_spec}"
+    except Exception as error:  # noqa: BLE001 - as for the modules: a failed probe keeps HF's forward
+        spec = f"its head probe failed: {type(error).__name__}: {error}"
+    return model, spec
+
+
 def patch_head(model: nn.Module, options: PatchOptions, report: PatchReport) -> None:
-    """The fused-loss forward (or the Liger cross-entropy loss function) on ``model`` when its
-    head probe passes; the recompute's consumer hooks installed with it."""
+    """The fused-loss forward (or the Liger cross-entropy loss function) on ``model``, or on the
+    nested language model computing its loss, when its head probe passes; the recompute's
+    consumer hooks installed with it."""
     if not (options.fused_linear_cross_entropy or options.cross_entropy):
         return
     cls = head_probe.base_class(model)
-    try:
-        spec = head_probe.probe_head(model)
-    except Exception as error:  # noqa: BLE001 - as for the modules: a failed probe keeps HF's forward
-        spec = f"its head probe failed: {type(error).__name__}: {error}"
+    model, spec = _probed_head(model)
     if isinstance(spec, str):
         report.leave(cls.__name__ + " (loss)", spec)
         return
