@@ -342,8 +342,29 @@ def test_property(lead, hidden, mode, offset, in_place, eps, dtype):
     # Low precision: y carries up to three roundings ("none" mode), about 1.5 ulp; the
     # gradients also see dy and g rounded, and dw one more rounding after its fp32 sum.
     assert_close(y, y_ref, dtype=dtype, msg="y")
-    assert_close(dx, dx_ref, dtype=dtype, scale=4, msg="dx")
+    tol = tolerance(dtype, 4)
+    allowed = tol["atol"] + tol["rtol"] * dx_ref.abs() + dx_cancellation_allowance(x, w, dy, eps, offset, mode)
+    error = (dx.double() - dx_ref).abs()
+    assert bool((error <= allowed).all()), f"dx off by {float(error.max()):.3g} at {int(error.argmax())}"
     assert_close(dw, dw_ref, dtype=dtype, scale=4, msg="dw")
+
+
+def dx_cancellation_allowance(x, w, dy, eps, offset, mode):
+    """What rounding to x's dtype inside the backward can do to dx where its two terms cancel.
+
+    ``dx = rstd (g - xhat mean(g xhat))`` with ``g = dy (w + offset)``. Where HF rounds ``g``
+    (llama and none modes: the product in the input dtype) and ``xhat`` (none mode) to the input
+    dtype, each term moves by a few units ``u`` of its own size, however small their difference
+    (a row of one element, or one dominated by one element, has ``xhat`` near +-1 and ``dx``
+    near 0): ``4 u rstd (|g| + |xhat| mean|g xhat|)``, float64. Zero for low-precision modes that
+    round only their outputs (gemma) and for float32."""
+    if mode == "gemma" or x.dtype == torch.float32:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    unit = torch.finfo(x.dtype).eps / 2
+    x64, g = x.double(), dy.to(x.dtype).double() * (w.double() + offset)
+    rstd = (x64.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    xhat = x64 * rstd
+    return 4 * unit * rstd * (g.abs() + xhat.abs() * (g * xhat).abs().mean(-1, keepdim=True))
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

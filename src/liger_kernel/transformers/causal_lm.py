@@ -232,6 +232,9 @@ class FusedLossSpec:
             loss is always the mean over counted targets).
         aux_loss_coef_attr: the attribute (of the model, else its text config) holding the router
             loss coefficient.
+        router_logits_default: what a call that gives no ``output_router_logits`` does, where the
+            forward's signature fixes it (JetMoE's ``False`` in some transformers releases); None:
+            the config's ``output_router_logits`` decides, as in most MoE forwards.
         extra_parameters: names the model's own forward takes besides the standard ones
             (``pixel_values``, ``image_sizes``, ...): listed in the fused forward's signature
             (the Trainer keeps only dataset columns a forward names) and passed to the decoder.
@@ -255,6 +258,7 @@ class FusedLossSpec:
     shifts_labels: bool = True
     counts_items: bool = True
     aux_loss_coef_attr: str = "router_aux_loss_coef"
+    router_logits_default: bool | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -379,6 +383,8 @@ def _fused_loss_forward(
     is_moe = spec.is_moe
     output_router_logits = kwargs.pop("output_router_logits", None)
     if is_moe:
+        if output_router_logits is None:
+            output_router_logits = spec.router_logits_default
         if output_router_logits is None:
             output_router_logits = getattr(config, "output_router_logits", None)
             if output_router_logits is None:

@@ -239,7 +239,8 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
         experts_attr = (matching or present or ["num_experts"])[0]
     coef = re.search(r"\bself(?:\.config)?\.(\w*aux_loss_coef)\b", source)
     base = FusedLossSpec(router_aux_loss_fn=aux, num_experts_attr=experts_attr,
-                         aux_loss_coef_attr=coef.group(1) if coef else "router_aux_loss_coef", **layout)
+                         aux_loss_coef_attr=coef.group(1) if coef else "router_aux_loss_coef",
+                         router_logits_default=_router_logits_default(cls), **layout)
     # Candidates, the source's reading first: the soft-caps and logit scales it names (and the
     # config's final soft-cap, which a module may apply), shifted labels and counted items for
     # self.loss_function (unshifted, a mean, for a cross entropy called directly).
@@ -390,14 +391,15 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     labels = input_ids.clone()
     labels[0, :2] = -100
     common = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
-    if first.is_moe:
-        common["output_router_logits"] = True
     weights = [hidden_states, head.weight]
     references = []
     # 7 items: neither the 9 targets counted with shifted labels nor the 10 without, so a loss
     # that ignores num_items_in_batch is told apart from one dividing by it.
-    for extra in ({}, {"num_items_in_batch": torch.tensor(7, device=device)}):
-        reference = cls.forward(stand_in, **common, **extra)
+    extras = [{}, {"num_items_in_batch": torch.tensor(7, device=device)}]
+    if first.is_moe:  # with the router loss, and as the forward does without the flag
+        extras = [{**extra, "output_router_logits": True} for extra in extras] + [{}]
+    for extra in extras:
+        reference = cls.forward(stand_in, **{**common, **extra})
         references.append((extra, reference, torch.autograd.grad(reference.loss, weights)))
     # The fused forward gives its decoder no labels: a forward whose decoder sees them (an
     # encoder-decoder's decoder_input_ids, shifted from the labels) cannot be reproduced. Its
@@ -421,12 +423,20 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     return type(reference), None, first_error
 
 
+def _router_logits_default(cls: type) -> bool | None:
+    """The default of ``cls.forward``'s ``output_router_logits``: a bool fixes what a call without
+    it does (the config is then not consulted); None lets the config decide."""
+    parameter = inspect.signature(cls.forward).parameters.get("output_router_logits")
+    default = None if parameter is None else parameter.default
+    return default if isinstance(default, bool) else None
+
+
 def _compare_fused(stand_in: nn.Module, fused: Callable, common: dict, references: list, weights: list
                    ) -> str | None:
     """Why ``fused`` on ``stand_in`` differs from the references (loss, gradients, logits), or None."""
     for extra, reference, reference_grads in references:
         for skip_logits in (True, False):
-            ours = fused(stand_in, **common, **extra, skip_logits=skip_logits)
+            ours = fused(stand_in, **{**common, **extra}, skip_logits=skip_logits)
             equal, error = close_enough(ours.loss, reference.loss)
             if not equal:
                 return f"the fused loss differs from its forward's (relative error {error:.1e})"
