@@ -216,6 +216,8 @@ def test_gptj_signature_through_the_discovered_plan(dtype):
     from liger_kernel.transformers.patching import discovery
 
     gptj = importlib.import_module("transformers.models.gptj.modeling_gptj")
+    if not hasattr(gptj, "GPTJRotaryEmbedding"):
+        pytest.skip("this transformers version builds GPT-J's tables without a rotary module")
     config = transformers.GPTJConfig(n_embd=64, n_head=4, rotary_dim=8)
     batch, seq, heads, head_dim = 2, 7, 4, 16
     x0 = torch.randn(batch, seq, heads, head_dim, device=DEVICE).to(dtype)
