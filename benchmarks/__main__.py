@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import re
 import sys
@@ -29,7 +30,7 @@ from benchmarks.harness import MODES, PROVIDERS  # harness imports torch, not tr
 from benchmarks.peers import PEER_NAMES, UPSTREAM
 
 OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "jsd",
-       "dpo", "grpo", "fused_linear_jsd")
+       "dpo", "fused_linear_logprobs", "grpo", "fused_linear_jsd")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -200,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     with overrides_in_force:
         rows = runner.run(specs)
     if UPSTREAM in args.peers:
+        # The child gets the GPU this process no longer uses: without this, the memory cached by
+        # the materialised peers' rows (tens of GiB) made the child's larger cases run out.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         left = max(30.0, args.max_seconds - (time.perf_counter() - started)) if args.max_seconds else 0.0
         rows += peers.run_upstream_ops(args.upstream_path, cfg, hw, [s.name for s in specs],
                                        log=lambda msg: print(msg, file=sys.stderr, flush=True), max_seconds=left)

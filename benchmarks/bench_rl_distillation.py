@@ -1,4 +1,9 @@
-"""RL and distillation losses on a fused head: GRPO and generalised-JSD distillation.
+"""RL and distillation losses on a fused head: per-token log-probs, GRPO and generalised-JSD distillation.
+
+Log-probs: hidden states x (N, D), lm_head W (V, D), sampled tokens (N,); the loss an RL trainer
+forms from the per-token log-probabilities and entropies, ``sum_n a_n logp_n + b_n H_n`` with
+random per-token coefficients. Reference: materialised logits, ``log_softmax``, gather, entropy.
+Liger: :func:`liger_kernel.ops.fused_linear_logprobs.fused_linear_logprobs`.
 
 GRPO: hidden states x (B, T, D) of B completions, lm_head W (V, D), sampled tokens (B, T), a
 loss mask, advantages (B,), old and reference per-token log-probabilities (B, T). Reference:
@@ -25,7 +30,7 @@ import math
 import torch
 
 from benchmarks.bench_cross_entropy import _sweep
-from benchmarks.harness import Floor, Inputs, OpSpec, Target, dtype_size
+from benchmarks.harness import HEAD_TARGETS, Floor, Inputs, OpSpec, dtype_size
 
 GRPO_TARGET = {"B": 8, "T": 1024, "D": 4096, "V": 128256}
 JSD_TARGET = {"N": 8192, "D": 4096, "V": 128256}
@@ -129,12 +134,70 @@ def jsd_floor(shape: dict[str, int], dtype: torch.dtype, mode: str) -> Floor:
     return Floor(flops={"forward": 4 * macs, "backward": 4 * macs, "full": 8 * macs}[mode])
 
 
-POST_TRAINING_TARGETS = (
-    Target("full", "peak_over_floor", 1.10),
-    Target("full", "time_vs", "torch_compile"),
-)
+# --------------------------------------------------------------------------------------
+# Per-token log-probabilities and entropies (what RL trainers compute their losses from)
+# --------------------------------------------------------------------------------------
+
+
+def materialised_logprobs(x, weight, ids, logp_grad, entropy_grad):
+    """``sum_n a_n logp_n + b_n H_n`` on materialised logits: an RL loss's use of the per-token
+    log-probabilities and entropies, with per-token coefficients fixed by the inputs."""
+    logp_all = torch.matmul(x, weight.t()).float().log_softmax(-1)
+    logp = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return (logp * logp_grad + entropy * entropy_grad).sum()
+
+
+def _liger_logprobs():
+    from liger_kernel.ops.fused_linear_logprobs import fused_linear_logprobs
+
+    def fn(x, weight, ids, logp_grad, entropy_grad):
+        logp, entropy = fused_linear_logprobs(x, weight, ids)
+        return (logp * logp_grad + entropy * entropy_grad).sum()
+
+    return fn
+
+
+def logprobs_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> Inputs:
+    n, d, v = shape["N"], shape["D"], shape["V"]
+    x = torch.randn(n, d, device=device, dtype=dtype, requires_grad=True)
+    weight = (0.02 * torch.randn(v, d, device=device)).to(dtype).requires_grad_()
+    ids = torch.randint(0, v, (n,), device=device)
+    return Inputs(args=(x, weight, ids, torch.randn(n, device=device) / n, torch.randn(n, device=device) / n),
+                  grad_args=(0, 1))
+
+
+def logprobs_floor(shape: dict[str, int], dtype: torch.dtype, mode: str) -> Floor:
+    macs = head_flops(shape["N"], shape)
+    return Floor(flops={"forward": 2 * macs, "backward": 4 * macs, "full": 6 * macs}[mode])
+
+
+POST_TRAINING_TARGETS = HEAD_TARGETS
+
+
+def token_rows_spec(name, make_inputs, reference, liger, floor, notes="") -> OpSpec:
+    """An op over N token rows of hidden size D through a V-row head (its target shape first)."""
+    return OpSpec(
+        name=name,
+        shape_keys=("N", "D", "V"),
+        gpu_shapes=_sweep(JSD_TARGET, {"N": (4096, 8192), "D": (4096,), "V": (32000, 128256)}),
+        tiny_shapes=[{"N": 16, "D": 32, "V": 300}, {"N": 24, "D": 32, "V": 500}],
+        make_inputs=make_inputs,
+        reference=reference,
+        liger=liger,
+        floor=floor,
+        floor_peak_bytes=grad_floor_peak("N"),
+        size=lambda s: s["N"] * s["D"] * s["V"],
+        size_label="N*D*V (multiply-adds per head matmul)",
+        targets=POST_TRAINING_TARGETS,
+        notes=notes,
+    )
+
 
 SPECS = [
+    token_rows_spec("fused_linear_logprobs", logprobs_inputs, materialised_logprobs, _liger_logprobs, logprobs_floor,
+                    notes="per-token outputs: the upstream gradient is known only in backward, which recomputes "
+                          "the logits (8NDV of work against the 6NDV floor)"),
     OpSpec(
         name="grpo",
         shape_keys=("B", "T", "D", "V"),
@@ -149,18 +212,5 @@ SPECS = [
         size_label="B*T*D*V (multiply-adds per head matmul)",
         targets=POST_TRAINING_TARGETS,
     ),
-    OpSpec(
-        name="fused_linear_jsd",
-        shape_keys=("N", "D", "V"),
-        gpu_shapes=_sweep(JSD_TARGET, {"N": (4096, 8192), "D": (4096,), "V": (32000, 128256)}),
-        tiny_shapes=[{"N": 16, "D": 32, "V": 300}, {"N": 24, "D": 32, "V": 500}],
-        make_inputs=jsd_inputs,
-        reference=materialised_jsd,
-        liger=_liger_jsd,
-        floor=jsd_floor,
-        floor_peak_bytes=grad_floor_peak("N"),
-        size=lambda s: s["N"] * s["D"] * s["V"],
-        size_label="N*D*V (multiply-adds per head matmul)",
-        targets=POST_TRAINING_TARGETS,
-    ),
+    token_rows_spec("fused_linear_jsd", jsd_inputs, materialised_jsd, _liger_jsd, jsd_floor),
 ]

@@ -226,6 +226,30 @@ class Timing:
     median_ms: float  # the number efficiencies use (see the module docstring)
     eager_ms: float  # per-call time including host overhead (== median_ms where no graph was used)
     method: str  # "cuda_graph", "do_bench", "events" or "wall" (CPU)
+    # Mean of a plain back-to-back loop between two CUDA events (no L2 flush, no graph): the
+    # cross-check of how a user would time the call (CUDA only).
+    plain_loop_ms: float = NAN
+
+
+PLAIN_LOOP_CALLS = 5
+
+
+def plain_loop_ms(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: torch.device) -> float:
+    """Mean milliseconds of ``PLAIN_LOOP_CALLS`` calls timed by two events around the loop (one
+    pair per call where ``setup`` must run between calls, untimed)."""
+    if device.type != "cuda":
+        return NAN
+    if setup is not None:
+        return statistics.mean(_one_call_ms(fn, setup, device) for _ in range(PLAIN_LOOP_CALLS))
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(PLAIN_LOOP_CALLS):
+        result = fn(None)
+        del result
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / PLAIN_LOOP_CALLS
 
 
 def time_ms(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: torch.device,
@@ -249,11 +273,12 @@ def time_ms(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
     else:
         eager = _event_median(fn, setup, device, estimate, cfg)
         method = "events"
+    plain = plain_loop_ms(fn, setup, device)
     if graph_ok and cfg.cuda_graph and estimate < cfg.slow_ms:
         graphed = _graph_median(fn, setup, device, eager, cfg)
         if graphed is not None:
-            return Timing(graphed, eager, "cuda_graph")
-    return Timing(eager, eager, method)
+            return Timing(graphed, eager, "cuda_graph", plain)
+    return Timing(eager, eager, method, plain)
 
 
 def peak_extra_mib(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: torch.device) -> float:
@@ -453,6 +478,16 @@ class Target:
 # Holds for every liger row of every op and shape.
 PEAK_NOT_ABOVE_HF = "peak_vs"
 
+# Every loss through the LM head (fused linear CE, preference, RL, distillation, log-probs): at
+# most 1.15x its GEMM floor, faster and leaner than the materialised loss under torch.compile,
+# and at most 2x the bytes of the gradients it must produce.
+HEAD_TARGETS = (
+    Target("full", "time_over_floor", 1.15),
+    Target("full", "time_vs", "torch_compile"),
+    Target("full", "peak_over_floor", 2.0),
+    Target("full", "peak_vs", "torch_compile"),
+)
+
 
 @dataclass
 class OpSpec:
@@ -513,6 +548,7 @@ class Row:
     efficiency: float
     eager_ms: float = NAN  # per-call time with host overhead (see the module docstring)
     timing: str = ""  # how median_ms was taken: cuda_graph, do_bench, events, wall
+    plain_loop_ms: float = NAN  # the same call timed by a plain event loop (Timing.plain_loop_ms)
     speedup_vs_hf: float = NAN
     target: str = ""
     meets_target: str = ""
@@ -754,6 +790,7 @@ class Runner:
             status=status, median_ms=ms, peak_extra_mib=peak,
             eager_ms=timing.eager_ms if timing is not None else NAN,
             timing=timing.method if timing is not None else "",
+            plain_loop_ms=timing.plain_loop_ms if timing is not None else NAN,
             floor_ms=floor_ms, floor_kind=floor.kind,
             floor_peak_mib=spec.floor_peak_bytes(unit.shape, self.cfg.dtype, mode) / MIB,
             efficiency=floor_ms / ms if status == "ok" else NAN,

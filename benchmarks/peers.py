@@ -7,6 +7,9 @@ CPU run) still gets its rows, with status ``skipped: <reason>``:
 * ``cut_cross_entropy`` (Apple's ``cut-cross-entropy``): ``linear_cross_entropy(x, W,
   target)`` for fused linear cross entropy, with its defaults (the ``cce`` kernels and
   ``filter_eps="high"``, which skips gradient entries below a bf16-scale threshold);
+* ``trl`` (TRL >= 1.13's ``trl.kernels``): ``ChunkedLogProbFunction`` for the per-token
+  log-probs and entropies, ``ChunkedDivergenceFunction`` for the fused linear JSD, as its
+  trainers call them;
 * ``quack`` (``quack-kernels``, CuTe DSL): ``quack.rmsnorm.rmsnorm`` (rows flattened to 2-D),
   ``quack.cross_entropy.cross_entropy``, ``quack.linear_cross_entropy.chunked_linear_cross_entropy``.
 
@@ -81,6 +84,43 @@ def _quack_linear_cross_entropy():
     return lambda x, weight, target: chunked_linear_cross_entropy(x, weight, target)
 
 
+# TRL's fused-head kernels (trl >= 1.13), called as its trainers call them: 32768-wide
+# vocabulary tiles (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``), no softcap, scale 1.
+TRL_VOCAB_TILE = 32768
+
+
+def _trl_logprobs():
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    def fn(x, weight, ids, logp_grad, entropy_grad):
+        logp, entropy, *_ = ChunkedLogProbFunction.apply(x, weight, None, ids, 1.0, TRL_VOCAB_TILE, None, 1.0,
+                                                         ("entropy",))
+        return (logp * logp_grad + entropy * entropy_grad).sum()
+
+    return fn
+
+
+def _trl_jsd():
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    from benchmarks.bench_rl_distillation import JSD_BETA
+
+    def fn(x, weight, teacher_x, teacher_weight, labels):
+        divergence, _ = ChunkedDivergenceFunction.apply(x, weight, None, teacher_x, teacher_weight, None, JSD_BETA)
+        return divergence.mean()
+
+    return fn
+
+
+def _upstream_chunked(module: str, name: str):
+    """Our benchmark's provider of a chunked loss, built in the child, where ``liger_kernel``
+    is the upstream release: the two share the loss classes' names and call shapes."""
+    def build():
+        return getattr(importlib.import_module(module), name)()
+
+    return build
+
+
 def _upstream(name: str, call: Callable[[Callable], Callable]):
     def build():
         functional = importlib.import_module("liger_kernel.transformers.functional")
@@ -101,6 +141,9 @@ UPSTREAM_OPS = {
     "cross_entropy": (_upstream("liger_cross_entropy", lambda f: lambda x, t: _loss_only(f(x, t))), (0,)),
     "fused_linear_cross_entropy": (
         _upstream("liger_fused_linear_cross_entropy", lambda f: lambda x, w, t: _loss_only(f(x, w, t))), ()),
+    "dpo": (_upstream_chunked("benchmarks.bench_post_training", "_liger_dpo"), ()),
+    "grpo": (_upstream_chunked("benchmarks.bench_rl_distillation", "_liger_grpo"), ()),
+    "fused_linear_jsd": (_upstream_chunked("benchmarks.bench_rl_distillation", "_liger_jsd"), ()),
 }
 
 
@@ -148,6 +191,10 @@ def in_process_peers() -> dict[str, Peer]:
         "cut_cross_entropy": Peer(
             "cut_cross_entropy", "cut_cross_entropy", "cut-cross-entropy",
             {"fused_linear_cross_entropy": (_cce_linear_cross_entropy, ())}, note="impl cce, filter_eps high"),
+        "trl": Peer(
+            "trl", "trl.kernels.chunked_logprob", "trl",
+            {"fused_linear_logprobs": (_trl_logprobs, ()), "fused_linear_jsd": (_trl_jsd, ())},
+            note=f"trl.kernels, vocabulary tile {TRL_VOCAB_TILE}"),
         "quack": Peer(
             "quack", "quack", "quack-kernels",
             {"rms_norm": (_quack_rms_norm, ()), "cross_entropy": (_quack_cross_entropy, ()),

@@ -40,6 +40,7 @@ from benchmarks.harness import (
     time_ms,
 )
 from liger_kernel.ops.config import LaunchConfig, override_launch_config
+from liger_kernel.ops.head_chunking import HeadChunkConfig
 
 
 def _set(module: Any, values: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks.tune needs a CUDA GPU", file=sys.stderr)
         return 2
     import liger_kernel.ops.cross_entropy as ce_ops
-    import liger_kernel.ops.fused_linear_cross_entropy as flce_ops
     from liger_kernel.ops.rope import RopeConfig
     from liger_kernel.ops.row_norm import RowNormConfig
     from liger_kernel.ops.swiglu import GatedActivationConfig
@@ -343,9 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
         if want("flce"):
             spec = specs["fused_linear_cross_entropy"]
-            _sweep("fused_linear_cross_entropy", flce_ops.FusedLinearCrossEntropyConfig, [
-                {"chunk_budget_bytes": c.chunk_budget_bytes}
-                for c in flce_ops.FusedLinearCrossEntropyConfig.search_space()
+            _sweep("fused_linear_cross_entropy", HeadChunkConfig, [
+                {"budget_fraction": c.budget_fraction} for c in HeadChunkConfig.search_space()
             ], spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
     print(f"CSV: {args.out / 'tune.csv'}")
     if args.emit_best is not None:

@@ -186,7 +186,7 @@ def test_bad_arguments_raise():
 def test_target_log_probs_in_place_matches_autograd(n_labels, temperature, log_sum_sq):
     """The closed-form in-place forward and backward against float64 autograd of the same quantities
     (the ``log sum p^2`` column a constant)."""
-    from liger_kernel.ops.chunked_head import TargetLogProbs
+    from liger_kernel.ops.chunked_head import target_log_probs
 
     rows, vocab = 13, 97
     logits = torch.randn(rows, vocab, device=DEVICE) * 4
@@ -194,7 +194,7 @@ def test_target_log_probs_in_place_matches_autograd(n_labels, temperature, log_s
     for lab in labels:
         lab[torch.rand(rows, device=DEVICE) < 0.3] = IGNORE
     grad_q = torch.randn(rows, n_labels + 1 + log_sum_sq, device=DEVICE)
-    token_fn = TargetLogProbs(IGNORE, temperature, log_sum_sq_probs=log_sum_sq)
+    token_fn = target_log_probs(IGNORE, temperature, log_sum_sq_probs=log_sum_sq)
     z64 = logits.double().requires_grad_()
     q64 = token_fn(z64, *labels)
     # Written out: log softmax at the temperature, and the raw row sum.
@@ -208,8 +208,8 @@ def test_target_log_probs_in_place_matches_autograd(n_labels, temperature, log_s
         assert q64.shape[-1] == n_labels + 2
     (g64,) = torch.autograd.grad(q64, z64, grad_q.double())
     buffer = logits.clone()
-    q = token_fn.forward_in_place(buffer, *labels)
+    q, state = token_fn.statistics(buffer, *labels)
     torch.testing.assert_close(q.double(), q64.detach(), atol=1e-5, rtol=1e-6)
-    g = token_fn.grad_in_place(buffer, grad_q, *labels)
+    g = token_fn.logit_grad_(buffer, state, grad_q, *labels)
     assert g.data_ptr() == buffer.data_ptr()
     torch.testing.assert_close(g.double(), g64, atol=1e-6 * float(g64.abs().max()), rtol=1e-5)

@@ -10,7 +10,7 @@ import torch
 from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
 from liger_kernel.ops.chunked_head import ChunkedHeadConfig, ChunkPlan
 from liger_kernel.ops.config import override_launch_config
-from liger_kernel.ops.fused_linear_logprobs import LogProbEntropyRows, fused_linear_logprobs, row_chunks
+from liger_kernel.ops.fused_linear_logprobs import fused_linear_logprobs, log_prob_entropy_rows, row_chunks
 from tests.chunked_loss.reference import assert_grads_match, assert_loss_match, reference_grads
 from tests.utils import DEVICE
 
@@ -97,22 +97,26 @@ def test_bad_arguments_raise():
         LigerFusedLinearScaledCrossEntropyFunction.apply(x, weight, torch.zeros(4).long(), m_tiles_per_cluster=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_entropy, temperature, ignore_index", [(True, 0.7, IGNORE), (False, 1.3, None),
                                                                      (True, 1.0, None), (False, 1.0, IGNORE)])
-def test_backward_in_place_matches_autograd(with_entropy, temperature, ignore_index):
-    """The closed-form vector-Jacobian product the engine may use instead of autograd."""
-    rows = LogProbEntropyRows(temperature, ignore_index, with_entropy)
-    logits = torch.randn(9, 23, device=DEVICE) * 3
+def test_closed_form_gradient_matches_autograd(dtype, with_entropy, temperature, ignore_index):
+    """The in-place statistics and logit gradient the engine uses instead of autograd, on the
+    chunk in its own dtype, against float64 autograd of the same rows."""
+    rows = log_prob_entropy_rows(temperature, ignore_index, with_entropy)
+    logits = (torch.randn(9, 23, device=DEVICE) * 3).to(dtype)
     target = torch.randint(0, 23, (9,), device=DEVICE)
     target[2] = IGNORE  # ignored, or (without ignore_index) out of range: reads token 0
     grad_q = torch.randn(9, 2 if with_entropy else 1, device=DEVICE)
     z = logits.double().requires_grad_()
-    (expected,) = torch.autograd.grad(rows(z, target), z, grad_q.double())
+    q64 = rows(z, target)
+    (expected,) = torch.autograd.grad(q64, z, grad_q.double())
     before = logits.clone()
-    q = rows(logits, target)
-    assert torch.equal(logits, before)  # the forward leaves the logits alone
-    q64 = rows(logits.double(), target)
-    torch.testing.assert_close(q.double(), q64, atol=1e-5, rtol=1e-5)
-    got = rows.backward_in_place(logits, grad_q, target)
-    assert got.data_ptr() == logits.data_ptr()
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    q, state = rows.statistics(logits, target)
+    assert torch.equal(logits, before)  # the statistics leave the logits alone
+    torch.testing.assert_close(q.double(), q64.detach(), atol=1e-5, rtol=1e-5)
+    got = rows.logit_grad_(logits, state, grad_q, target)
+    assert got.data_ptr() == logits.data_ptr() and got.dtype == dtype
+    # One rounding to the chunk's dtype: half an ulp of the largest entry.
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8 * float(expected.abs().max())
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=1e-5 if dtype == torch.float32 else 2**-8)

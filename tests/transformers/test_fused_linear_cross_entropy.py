@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_kernel.ops.config import override_launch_config
-from liger_kernel.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyConfig
+from liger_kernel.ops.head_chunking import HeadChunkConfig
 from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 from liger_kernel.transformers.cross_entropy import CrossEntropyOutput
 from tests.ops.test_cross_entropy import assert_grad_close, assert_loss_close
@@ -15,7 +15,7 @@ from tests.utils import DEVICE
 
 @pytest.fixture(autouse=True)
 def _small_chunks():
-    with override_launch_config(FusedLinearCrossEntropyConfig, max_chunk_rows=5):
+    with override_launch_config(HeadChunkConfig, max_chunk_rows=5):
         yield
 
 

@@ -45,7 +45,7 @@ from liger_kernel.ops.chunked_head import (
     scaled_head_grads,
     upstream_loss_gradient,
 )
-from liger_kernel.ops.fused_linear_logprobs import check_temperature
+from liger_kernel.ops.head_epilogue import check_temperature
 
 
 def _as_groups(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -53,7 +53,8 @@ from liger_kernel.ops.chunked_head import (
     scaled_head_grads,
     upstream_loss_gradient,
 )
-from liger_kernel.ops.fused_linear_logprobs import LogProbEntropyRows, check_temperature
+from liger_kernel.ops.fused_linear_logprobs import log_prob_entropy_rows
+from liger_kernel.ops.head_epilogue import check_temperature
 
 
 def batch_token_normalizer(attention_mask: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -218,7 +219,7 @@ class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
                  bias is not None and bool(ctx.needs_input_grad[5]))
         # Every position reads its own token's log-prob, as TRL's do (luspo weighs padded positions too).
         loss, metrics, grads = chunked_head_loss_and_grads(
-            *one_dtype_head(x, weight, bias), LogProbEntropyRows(temperature, with_entropy=False), group_fn,
+            *one_dtype_head(x, weight, bias), log_prob_entropy_rows(temperature, with_entropy=False), group_fn,
             token_args=(token_ids,), group_args=[t for _, t in present], ref_x=head[0],
             ref_weight=head[1], ref_bias=head[2], needs=needs)
         if grads.x is not None:

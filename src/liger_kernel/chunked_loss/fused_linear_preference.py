@@ -44,10 +44,10 @@ import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 from liger_kernel.ops.chunked_head import (
-    TargetLogProbs,
     chunked_head_loss_and_grads,
     save_head_grads,
     scaled_head_grads,
+    target_log_probs,
     upstream_loss_gradient,
 )
 
@@ -115,7 +115,7 @@ def policy_and_reference_log_probs(q: torch.Tensor, q_ref: torch.Tensor | None, 
 def preference_head_forward(ctx, bias_position: int, _input, weight, bias, ignore_index: int, group_fn,
                             token_args: list, group_args: list, ref_head, paired: bool, additive: bool = True,
                             log_sum_sq_probs: bool = False):
-    """Loss and metrics of ``group_fn`` over the chunked head ``TargetLogProbs(ignore_index,
+    """Loss and metrics of ``group_fn`` over the chunked head ``target_log_probs(ignore_index,
     log_sum_sq_probs=log_sum_sq_probs)``, keeping the gradients of ``_input``, ``weight`` and
     ``bias`` (forward input ``bias_position``) that the Function's inputs need for
     :func:`preference_head_backward`. ``additive=False`` for a loss that couples the batch's
@@ -124,7 +124,7 @@ def preference_head_forward(ctx, bias_position: int, _input, weight, bias, ignor
              bias is not None and bool(ctx.needs_input_grad[bias_position]))
     ref_input, ref_weight, ref_bias = ref_head or (None, None, None)
     loss, metrics, grads = chunked_head_loss_and_grads(
-        _input, weight, bias, TargetLogProbs(ignore_index, log_sum_sq_probs=log_sum_sq_probs), group_fn,
+        _input, weight, bias, target_log_probs(ignore_index, log_sum_sq_probs=log_sum_sq_probs), group_fn,
         token_args=token_args, group_args=group_args, ref_x=ref_input, ref_weight=ref_weight, ref_bias=ref_bias, paired=paired,
         additive=additive, needs=needs)
     save_head_grads(ctx, grads)
@@ -224,7 +224,7 @@ class LigerFusedLinearPreferenceBase(EagerUnderCompile, torch.autograd.Function)
                 kwargs.update(pair_weights=weights[:half] * weights[half:])
             outputs = loss_fn(logps[:half], logps[half:], target, beta=beta, **kwargs)
             preference_loss, *extra = outputs if isinstance(outputs, tuple) else (outputs,)
-            # Columns of TargetLogProbs: log p(target), [log p(nll_target)], [log sum p^2], row sum of the logits.
+            # Columns of target_log_probs: log p(target), [log p(nll_target)], [log sum p^2], row sum of the logits.
             nll_column = 0 if nll_target is None else 1
             nll = -q[:half, :, nll_column].sum() / chosen_nll_count if compute_nll_loss else q.new_zeros(())
             loss = preference_loss + alpha * nll

@@ -59,23 +59,24 @@ is then called as ``token_fn(z, z_ref, *token_args)`` with the second head's flo
 rows ``z_ref`` (R, V') (no gradient flows to them) and ``q_ref`` is None.
 
 Each chunk's ``G`` is formed through ``c = dL/dq`` (autograd on the small (G, T, K) tensor),
-then pulled back through ``token_fn``: by autograd, or, for a ``token_fn`` with a closed-form
-``forward_in_place(z, *args) -> q`` / ``grad_in_place(z, c, *args) -> G`` pair
-(:class:`TargetLogProbs`: the label log-probabilities every preference and RL loss reads),
-computed in the chunk's float32 logits buffer, so that a chunk holds that one (C, V) buffer
-(plus the input-dtype copy of ``G`` for the GEMMs) instead of autograd's saved log-softmax
-and gradient.
+then pulled back through ``token_fn``: by autograd on a float32 copy of the chunk, or, for a
+``token_fn`` with the closed-form protocol of
+:class:`~liger_kernel.ops.head_epilogue.LogitRowStatistics` (``statistics(z, *args) -> (q,
+state)``, ``logit_grad_(z, state, c, *args) -> G``; :func:`target_log_probs`, the label
+log-probabilities every preference and RL loss reads), by two Triton passes over the chunk in
+the GEMM's dtype: one for the row statistics, one writing ``G`` over the logits. A chunk then
+holds that one (C, V) buffer, which the two gradient GEMMs read directly. Per chunk the work
+is three GEMMs (the floor) plus about three passes over the chunk's memory.
 
-Chunk size: the float32 logits of a chunk stay within the fused linear cross entropy's budget
-(:func:`~liger_kernel.ops.fused_linear_cross_entropy.chunk_rows_for` at 4 bytes an element:
-the larger of its fixed budget and its fraction of the dW + dX bytes), as
-:class:`ChunkedHeadConfig`. A ``token_fn`` differentiated by autograd keeps a few tensors of
-that size (the upcast logits, a log-softmax, the gradient). Gradients are computed in the
+Chunk size: :class:`ChunkedHeadConfig`, from the budget every head-bound loss shares
+(:mod:`liger_kernel.ops.head_chunking`: a fraction of the dW + dX bytes), counting the bytes a
+logit costs on the chunk's path (the element size on the closed-form path; 12 bytes under
+autograd: the upcast logits, a log-softmax and the gradient). Gradients are computed in the
 forward pass for a unit upstream gradient; backward only scales them
 (:mod:`liger_kernel.ops.scaling`).
 
 Precision: logits are one GEMM in the input dtype with float32 accumulation (as an HF model's
-``lm_head``), everything after is float32; ``G`` is rounded to the input dtype for the two
+``lm_head``), every statistic after is float32; ``G`` is rounded to the input dtype for the two
 gradient GEMMs, and dW accumulates over chunks in the weight dtype unless ``accum_fp32``.
 Under ``torch.autocast`` both heads run in the autocast dtype (as ``F.linear`` would) and the
 gradients are returned in the operands' own dtypes.
@@ -91,18 +92,22 @@ import torch
 from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
 from liger_kernel.ops.checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
-from liger_kernel.ops.fused_linear_cross_entropy import (
+from liger_kernel.ops.head_chunking import (
     accumulate_grad_weight,
     chunk_rows_for,
     gemm_reduction_precision,
+    gradient_bytes,
 )
+from liger_kernel.ops.head_epilogue import LogitRowStatistics
 from liger_kernel.ops.launch import is_interpreter
 from liger_kernel.ops.scaling import scale_gradient
 
 TokenFn = Callable[..., torch.Tensor]
 GroupFn = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
 
-FLOAT32_BYTES = 4
+# Bytes per logit a chunk holds when ``token_fn`` is differentiated by autograd: the float32
+# logits, autograd's saved log-softmax and the float32 gradient.
+AUTOGRAD_BYTES_PER_LOGIT = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +117,15 @@ class ChunkedHeadConfig(LaunchConfig):
     chunk_rows: int
 
     @classmethod
-    def heuristic(cls, n_rows: int, n_cols: int, floor_bytes: int) -> ChunkedHeadConfig:
-        return cls(chunk_rows=chunk_rows_for(max(1, n_rows), n_cols, FLOAT32_BYTES, floor_bytes))
+    def heuristic(cls, n_rows: int, n_cols: int, floor_bytes: int, bytes_per_logit: int = 4) -> ChunkedHeadConfig:
+        return cls(chunk_rows=chunk_rows_for(max(1, n_rows), n_cols, bytes_per_logit, floor_bytes))
+
+
+def target_log_probs(ignore_index: int, temperature: float = 1.0, log_sum_sq_probs: bool = False) -> LogitRowStatistics:
+    """The ``token_fn`` every preference loss reads: per row, the log-probabilities of its labels
+    at ``temperature`` (0 where a label is ``ignore_index``), [``log sum_v p_v^2``], and the row
+    sum of the logits, as float32 columns in that order (:class:`LogitRowStatistics`)."""
+    return LogitRowStatistics(ignore_index, temperature, log_sum_sq_probs=log_sum_sq_probs, row_sum=True)
 
 
 @dataclasses.dataclass
@@ -271,7 +283,7 @@ class _GradAccumulator:
         freed once rounded to the input dtype (before the two GEMMs)."""
         grad_logits = grad_box.pop()
         if self.grad_b is not None:
-            self.grad_b.add_(grad_logits.sum(0))
+            self.grad_b.add_(grad_logits.sum(0, dtype=torch.float32))
         g = grad_logits.to(self.x_dtype)
         del grad_logits
         if self.grad_x is not None:
@@ -340,9 +352,11 @@ def chunked_head_loss_and_grads(
         ref_x = ref_x.contiguous()
     x = x.contiguous()
     n_rows, n_cols = n_groups * seq_len, weight.shape[0]
-    floor_bytes = (x.numel() * x.element_size() if needs[0] else 0) + \
-        (weight.numel() * weight.element_size() if needs[1] else 0)
-    chunk_rows = launch_config(ChunkedHeadConfig, n_rows, n_cols, floor_bytes).chunk_rows
+    floor_bytes = gradient_bytes(x, weight, needs[0], needs[1])
+    bytes_per_logit = x.element_size() if _in_place(token_fn) else AUTOGRAD_BYTES_PER_LOGIT
+    if ref_logits_to_token_fn and ref_weight is not None:
+        bytes_per_logit += 4  # the second head's float32 logits beside the chunk
+    chunk_rows = launch_config(ChunkedHeadConfig, n_rows, n_cols, floor_bytes, bytes_per_logit).chunk_rows
     if chunk_rows < 1:
         raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {chunk_rows}")
     grads = _GradAccumulator(x, weight, bias, needs, accum_fp32)
@@ -386,7 +400,7 @@ class _Rows:
 
     def ref_logits(self, ranges: Ranges) -> torch.Tensor:
         with torch.no_grad():
-            return _logits(_gather(self.ref_x, ranges), self.ref_weight, self.ref_bias).float()
+            return _logits(_gather(self.ref_x, ranges), self.ref_weight, self.ref_bias)
 
     def token_fn_ref_args(self, ranges: Ranges) -> tuple:
         """``(ref_logits,)`` where ``token_fn`` takes the second head's logits, else ``()``."""
@@ -394,7 +408,7 @@ class _Rows:
             return ()
         if not ranges:  # empty batch
             return (self.x.new_zeros((0, self.ref_weight.shape[0]), dtype=torch.float32),)
-        return (self.ref_logits(ranges),)
+        return (self.ref_logits(ranges).float(),)
 
     def logits(self, ranges: Ranges, x_rows: torch.Tensor | None = None) -> torch.Tensor:
         with torch.no_grad():
@@ -416,119 +430,56 @@ class _Rows:
         return write
 
 
-class TargetLogProbs:
-    """A ``token_fn`` with a closed-form, in-place backward: per row, the log-probabilities of
-    given labels at temperature ``tau`` and the row sum of the logits, (R, J + 1) float32 columns::
-
-        s = z / tau
-        q_j = s[l_j] - logsumexp(s)   (0 where l_j == ignore_index),  j < J;     q_J = sum_v z_v
-
-    for label tensors ``l_0 .. l_{J-1}`` (R,). Its vector-Jacobian product with ``c = dL/dq``::
-
-        dL/dz = (-(sum_j c_j) softmax(s) + sum_j c_j onehot(l_j)) / tau + c_J
-
-    (ignored labels contribute nothing). With ``log_sum_sq_probs`` a column before the row sum
-    holds ``log sum_v softmax(s)_v^2`` (WPO's weights), a constant: no gradient flows through it.
-    :meth:`forward_in_place` computes ``q`` and leaves
-    ``softmax(z)`` in the logits' buffer, :meth:`grad_in_place` then turns it into ``dL/dz``:
-    a chunk needs no buffer beyond its float32 logits (the engine takes this path whenever a
-    ``token_fn`` has both methods). Calling the object computes ``q`` out of place, differentiably.
-    """
-
-    def __init__(self, ignore_index: int, temperature: float = 1.0, log_sum_sq_probs: bool = False):
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
-        self.ignore_index = ignore_index
-        self.temperature = float(temperature)
-        self.log_sum_sq_probs = log_sum_sq_probs
-
-    def _labels(self, labels):
-        for lab in labels:
-            counted = lab != self.ignore_index
-            yield counted, torch.where(counted, lab, 0).long().unsqueeze(-1)
-
-    def __call__(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        scaled = logits / self.temperature if self.temperature != 1.0 else logits
-        lse = torch.logsumexp(scaled, dim=-1)
-        columns = [(scaled.gather(-1, index).squeeze(-1) - lse) * counted for counted, index in self._labels(labels)]
-        if self.log_sum_sq_probs:
-            columns.append((torch.logsumexp(2 * scaled, dim=-1) - 2 * lse).detach())
-        return torch.stack([*columns, logits.sum(-1)], dim=-1)
-
-    def forward_in_place(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        """``q`` as :meth:`__call__`; ``logits`` (R, V) float32 is overwritten with ``softmax(logits / tau)``."""
-        row_sum = logits.sum(-1)
-        if self.temperature != 1.0:
-            logits.div_(self.temperature)
-        picked = [(logits.gather(-1, index).squeeze(-1), counted) for counted, index in self._labels(labels)]
-        row_max = logits.amax(-1, keepdim=True)
-        exp_sum = logits.sub_(row_max).exp_().sum(-1, keepdim=True)
-        logits.div_(exp_sum)
-        lse = (row_max + exp_sum.log()).squeeze(-1)
-        columns = [(z - lse) * counted for z, counted in picked]
-        if self.log_sum_sq_probs:
-            # The norm is one reduction over the probabilities, no (R, V) temporary.
-            columns.append(2 * torch.linalg.vector_norm(logits, dim=-1).log())
-        return torch.stack([*columns, row_sum], dim=-1)
-
-    def grad_in_place(self, probs: torch.Tensor, grad_q: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        """``dL/dz`` written over ``probs`` (the softmax :meth:`forward_in_place` left) for ``grad_q``
-        (R, J + 1), or (R, J + 2) with ``log_sum_sq_probs`` (its column's entry is not used)."""
-        grad_q = grad_q.to(probs.dtype)
-        coefficients = [(grad_q[:, j] * counted, index) for j, (counted, index) in enumerate(self._labels(labels))]
-        total = sum((c for c, _ in coefficients), torch.zeros_like(grad_q[:, 0]))
-        probs.mul_(-total.unsqueeze(-1))
-        for c, index in coefficients:
-            probs.scatter_add_(-1, index, c.unsqueeze(-1))
-        if self.temperature != 1.0:
-            probs.div_(self.temperature)
-        return probs.add_(grad_q[:, -1:])
-
-
 def _in_place(token_fn) -> bool:
-    return hasattr(token_fn, "forward_in_place") and hasattr(token_fn, "grad_in_place")
+    """Whether ``token_fn`` has the closed-form path (:class:`LogitRowStatistics`'s protocol):
+    ``statistics(z, *args) -> (q, state)`` leaving ``z`` intact, then ``logit_grad_(z, state,
+    dL/dq, *args)`` writing ``dL/dz`` over ``z``, both on the chunk in the GEMM's dtype."""
+    return hasattr(token_fn, "statistics") and hasattr(token_fn, "logit_grad_")
 
 
-def _quantities(token_fn, logits32: torch.Tensor, extra_args) -> torch.Tensor:
-    """``token_fn``'s quantities without gradient; the logits may be consumed."""
+def _quantities(token_fn, logits: torch.Tensor, extra_args) -> torch.Tensor:
+    """``token_fn``'s quantities without gradient."""
     with torch.no_grad():
         if _in_place(token_fn):
-            return token_fn.forward_in_place(logits32, *extra_args)
-        return token_fn(logits32, *extra_args)
+            return token_fn.statistics(logits, *extra_args)[0]
+        return token_fn(logits.float(), *extra_args)
 
 
-def _pull_back(token_fn, logits32, extra_args, grad_q) -> torch.Tensor:
-    """``dL/dz`` of a chunk from its fresh float32 logits and ``dL/dq``."""
+def _pull_back(token_fn, logits, extra_args, grad_q) -> torch.Tensor:
+    """``dL/dz`` of a chunk from its fresh logits and ``dL/dq``."""
     if _in_place(token_fn):
         with torch.no_grad():
-            token_fn.forward_in_place(logits32, *extra_args)
-            return token_fn.grad_in_place(logits32, grad_q, *extra_args)
+            _, state = token_fn.statistics(logits, *extra_args)
+            return token_fn.logit_grad_(logits, state, grad_q, *extra_args)
+    logits32 = logits.float()
     with torch.enable_grad():
         logits32.requires_grad_(True)
         return _chunk_logit_grad(token_fn(logits32, *extra_args), logits32, grad_q)
 
 
-def _chunk_grad_via_q(token_fn, logits32, extra_args, loss_of_q):
+def _chunk_grad_via_q(token_fn, logits, extra_args, loss_of_q):
     """A chunk's logit gradient through ``dL/dq``: ``loss_of_q(q) -> (loss, aux)`` is
     differentiated with respect to the (R, K) quantities only, then pulled back through
-    ``token_fn`` in place (``forward_in_place`` / ``grad_in_place``) or by autograd.
+    ``token_fn`` in place (``statistics`` / ``logit_grad_``) or by autograd.
     Returns (grad, loss, aux)."""
     in_place = _in_place(token_fn)
-    with torch.no_grad() if in_place else torch.enable_grad():
-        if in_place:
-            q = token_fn.forward_in_place(logits32, *extra_args)
-        else:
-            logits32.requires_grad_(True)
-            q = token_fn(logits32, *extra_args)
+    if in_place:
+        with torch.no_grad():
+            q, state = token_fn.statistics(logits, *extra_args)
+    else:
+        logits = logits.float()
+        with torch.enable_grad():
+            logits.requires_grad_(True)
+            q = token_fn(logits, *extra_args)
     with torch.enable_grad():
         q_leaf = q.detach().requires_grad_(True)
         loss, aux = loss_of_q(q_leaf)
         grad_q = _chunk_logit_grad(loss, q_leaf)
     if in_place:
         with torch.no_grad():
-            return token_fn.grad_in_place(logits32, grad_q, *extra_args), loss, aux
+            return token_fn.logit_grad_(logits, state, grad_q, *extra_args), loss, aux
     with torch.enable_grad():
-        return _chunk_logit_grad(q, logits32, grad_q), loss, aux
+        return _chunk_logit_grad(q, logits, grad_q), loss, aux
 
 
 def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_len, grads):
@@ -542,14 +493,15 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
         if q_ref is not None:
             q_ref = q_ref.view(-1, seq_len, q_ref.shape[-1])
         ref_args = rows.token_fn_ref_args(row_ranges)
-        # Only the float32 copy of the logits stays alive (the input-dtype GEMM output is dropped).
-        logits32 = rows.logits(row_ranges, x_rows).float()
+        # The closed-form path turns this buffer into the chunk's gradient in place; autograd's
+        # path keeps only its float32 copy.
+        logits = rows.logits(row_ranges, x_rows)
 
         def loss_of_q(q, q_ref=q_ref, gargs=gargs):
             return group_fn(_as_float64(q.view(-1, seq_len, q.shape[-1])), _as_float64(q_ref), *gargs)
 
-        grad_logits, chunk_loss, chunk_metrics = _chunk_grad_via_q(token_fn, logits32, (*ref_args, *targs), loss_of_q)
-        del logits32, ref_args
+        grad_logits, chunk_loss, chunk_metrics = _chunk_grad_via_q(token_fn, logits, (*ref_args, *targs), loss_of_q)
+        del logits, ref_args
         loss += chunk_loss.detach().float()
         metrics.append(tuple(m.detach() for m in chunk_metrics))
         box = [grad_logits]
@@ -562,7 +514,7 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
     q_parts, q_ref_parts = [], []
     for row_ranges in plan.row_ranges:
         targs = [_gather(t, row_ranges) for t in rows.token_args]
-        q_parts.append(_quantities(token_fn, rows.logits(row_ranges).float(), (*rows.token_fn_ref_args(row_ranges),
+        q_parts.append(_quantities(token_fn, rows.logits(row_ranges), (*rows.token_fn_ref_args(row_ranges),
                                                                               *targs)))
         q_ref_parts.append(rows.ref_quantities(row_ranges, token_fn, targs))
     q_all = torch.cat(q_parts).view(*batch_shape, -1)
@@ -574,9 +526,9 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
     for row_ranges in plan.row_ranges:
         x_rows = _gather(rows.x, row_ranges)
         extra_args = (*rows.token_fn_ref_args(row_ranges), *(_gather(t, row_ranges) for t in rows.token_args))
-        logits32 = rows.logits(row_ranges, x_rows).float()
-        grad_logits = _pull_back(token_fn, logits32, extra_args, _gather(grad_q, row_ranges))
-        del logits32, extra_args
+        logits = rows.logits(row_ranges, x_rows)
+        grad_logits = _pull_back(token_fn, logits, extra_args, _gather(grad_q, row_ranges))
+        del logits, extra_args
         box = [grad_logits]
         del grad_logits
         grads.add(box, x_rows, rows.write_grad_x(grads, row_ranges))

@@ -75,6 +75,7 @@ from liger_kernel.ops.loss_options import (
     reduce_rows,
     start_target_check,
 )
+from liger_kernel.ops.numerics import tanh_and_sech2
 from liger_kernel.ops.scaling import scale_gradient
 
 __all__ = ["CrossEntropyConfig", "CrossEntropyOutput", "LigerCrossEntropyFunction", "cross_entropy_forward",
@@ -113,25 +114,6 @@ class CrossEntropyConfig(FixedLaunchConfig):
 
 
 @triton.jit
-def _tanh_and_sech2(x):
-    """``(tanh(x), 1 - tanh(x)**2)`` to float32 accuracy, with plain ``tl`` ops only.
-
-    From ``e = exp(-2|x|)`` (never overflows; -inf gives e = 0): ``tanh = (1 - e) / (1 + e)``
-    and ``sech**2 = 4e / (1 + e)**2``, the latter free of the cancellation in ``1 - t*t``
-    where the cap saturates. Below |x| = 1/4, where ``1 - e`` would cancel, the Taylor
-    series to x**9 (truncation < 1e-8 relative) gives tanh instead.
-    """
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    one_plus_e = 1.0 + e
-    a2 = a * a
-    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
-    t = tl.where(a < 0.25, series, (1.0 - e) / one_plus_e)
-    t = tl.where(x < 0.0, -t, t)
-    return t, 4.0 * e / (one_plus_e * one_plus_e)
-
-
-@triton.jit
 def _lane_update(x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index,
                  class_weight_ptr, softcap, HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr):
@@ -150,7 +132,7 @@ def _lane_update(x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, la
         lane_best_index = tl.where(better, b_index, lane_best_index)
         lane_best = tl.where(better, b_best, lane_best)
     if HAS_SOFTCAP:
-        capped, _ = _tanh_and_sech2(x / softcap)
+        capped, _ = tanh_and_sech2(x / softcap)
         x = tl.where(mask, softcap * capped, float("-inf"))
     new_max = tl.maximum(lane_max, tl.max(x, axis=1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -220,7 +202,7 @@ def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_
     and ``cols``). Without ``WITH_ONEHOT`` the target's ``- onehot_coef`` term is left out
     (the caller stores the target's gradient separately)."""
     if HAS_SOFTCAP:
-        capped, cap_slope = _tanh_and_sech2(x / softcap)
+        capped, cap_slope = tanh_and_sech2(x / softcap)
         x = softcap * capped
     grad = prob_coef * tl.exp(x - lse)
     if HAS_LABEL_SMOOTHING:
@@ -303,7 +285,7 @@ def _cross_entropy_kernel(
             # (only this program writes this row, and not before pass 2).
             target_raw = tl.load(logits_row + safe_target).to(tl.float32)
             if HAS_SOFTCAP:
-                capped_target, _ = _tanh_and_sech2(target_raw / softcap)
+                capped_target, _ = tanh_and_sech2(target_raw / softcap)
                 target_logit = softcap * capped_target
             else:
                 target_logit = target_raw

@@ -15,9 +15,9 @@ per chunk, ``Z_c = X_c W^T (+ b)`` (cuBLAS, written into the reused buffer), the
 cross-entropy kernel overwrites ``Z_c`` with ``G_c`` in place, then ``dX_c = G_c W`` is
 written into its rows of dX and ``dW += G_c^T X_c`` is accumulated in place (``addmm_``,
 ``beta = 1``; the first chunk writes dW outright) into a preallocated dW, so no temporary
-of dW's size appears. ``C`` is what fits the larger of ``chunk_budget_bytes`` and
-``chunk_floor_fraction`` of the dW + dX bytes (:class:`FusedLinearCrossEntropyConfig`): each
-chunk re-reads and re-writes dW, so time falls as ``C`` grows and memory rises. The mean's
+of dW's size appears. ``C`` comes from the memory budget every head-bound loss shares
+(:class:`~liger_kernel.ops.head_chunking.HeadChunkConfig`): each chunk re-reads and
+re-writes dW, so time falls as ``C`` grows and memory rises. The mean's
 denominators are computed once for the whole batch on the device, so the chunk loop never
 syncs with the host; the target range check (which must sync to raise) is awaited only after
 the loop is queued.
@@ -32,21 +32,19 @@ The loss is float32 whatever the input dtype: this loss replaces HF's causal-LM 
 upcasts the logits to float32 before its cross entropy, so its loss is float32 too.
 
 Memory beyond the gradients themselves: the (C, V) chunk buffer plus O(N + V).
-
-The pieces (:func:`chunk_rows_for`, :func:`accumulate_grad_weight`,
-:func:`~liger_kernel.ops.scaling.scale_gradient`) are shared by other chunked losses.
 """
-
-import contextlib
-import dataclasses
-import functools
 
 import torch
 
 from liger_kernel.ops.autograd import once_differentiable
 from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
-from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
+from liger_kernel.ops.head_chunking import (
+    accumulate_grad_weight,
+    chunk_rows_for,
+    gemm_reduction_precision,
+    gradient_bytes,
+)
 from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.loss_options import (
     CrossEntropyOptions,
@@ -59,120 +57,17 @@ from liger_kernel.ops.loss_options import (
 from liger_kernel.ops.scaling import scale_gradient
 
 
-@dataclasses.dataclass(frozen=True)
-class FusedLinearCrossEntropyConfig(FixedLaunchConfig):
-    """Chunk sizing of the fused linear cross entropy (see :func:`chunk_rows_for`).
-
-    The (C, V) chunk buffer gets the larger of ``chunk_budget_bytes`` and
-    ``chunk_floor_fraction`` of the memory floor (the bytes of the dW and dX the call
-    computes). Every chunk re-reads and re-writes all of dW in its update, so the chunk must
-    stay deep where dW is large; the fraction keeps peak memory within 1.10x of the floor
-    there. 96 MiB is 9% of the N=8192, D=4096, V=128256 bf16 floor (1066 MiB), a chunk of
-    384 rows; 128-row chunks are much slower (``docs/performance.md``). Below a ~1.1 GiB
-    floor the 96 MiB minimum exceeds 10% of it: lower ``chunk_budget_bytes`` to trade that
-    memory back for time. Chunks of at least ``chunk_row_multiple`` rows are rounded down to
-    a multiple of it (tensor-core friendly GEMM shapes), smaller ones to a power of two.
-    ``max_chunk_rows`` caps the chunk (None: no cap), e.g. to run many chunks on small shapes.
-    """
-
-    chunk_budget_bytes: int = 96 * 2**20
-    chunk_floor_fraction: float = 0.085
-    chunk_row_multiple: int = 64
-    max_chunk_rows: int | None = None
-
-    @classmethod
-    def search_space(cls):
-        for mib in (64, 96, 128, 192, 256, 512):
-            yield cls(chunk_budget_bytes=mib * 2**20)
-
-
-@contextlib.contextmanager
-def gemm_reduction_precision():
-    """Within this block, cuBLAS reduces split-K partial sums in fp32.
-
-    By default torch lets cuBLAS reduce them in bf16/fp16. The dX GEMM reduces over the
-    whole vocabulary (K = V, up to 262144), where those extra roundings would dominate the
-    error, so the chunk GEMMs run with fp32 reductions.
-    """
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
-    matmul.allow_bf16_reduced_precision_reduction = False
-    matmul.allow_fp16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
-
-
-def chunk_rows_for(n_rows: int, n_cols: int, element_size: int, floor_bytes: int = 0) -> int:
-    """Rows per chunk of an (n_rows, n_cols) logits computation: as many as fit the chunk
-    budget of :class:`FusedLinearCrossEntropyConfig` (for ``floor_bytes``, the gradient bytes
-    of the call), rounded, at least 1 and at most ``n_rows``."""
-    config = launch_config(FusedLinearCrossEntropyConfig)
-    budget = max(config.chunk_budget_bytes, int(config.chunk_floor_fraction * floor_bytes))
-    rows = max(1, budget // max(1, n_cols * element_size))
-    if rows >= config.chunk_row_multiple:
-        rows -= rows % config.chunk_row_multiple
-    else:
-        rows = 1 << (rows.bit_length() - 1)
-    if config.max_chunk_rows is not None:
-        rows = min(rows, config.max_chunk_rows)
-    return max(1, min(rows, n_rows))
-
-
-@functools.cache
-def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``addmm(out_dtype=float32, out=acc)`` accumulates low-precision products in place here.
-
-    That cuBLAS path (torch >= 2.8 on CUDA) lets an fp32 dW accumulate bf16/fp16 chunk
-    products with no dW-sized temporary. Probed once per device and dtype, numerically.
-    """
-    try:
-        a = torch.randn(64, 32, device=device).to(dtype)
-        b = torch.randn(32, 48, device=device).to(dtype)
-        acc = torch.randn(64, 48, device=device)
-        expected = acc + a.float() @ b.float()
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        return bool(torch.allclose(acc, expected, atol=1e-3, rtol=1e-3))
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def accumulate_grad_weight(
-    grad_weight: torch.Tensor, grad_chunk: torch.Tensor, x_chunk: torch.Tensor, first: bool
-) -> None:
-    """``grad_weight += grad_chunk^T @ x_chunk`` in place, without a dW-sized temporary.
-
-    With ``first`` and matching dtypes, ``grad_weight`` may hold garbage: the product is
-    written over it (saving the zero fill and one read of dW).
-    """
-    if grad_weight.dtype == grad_chunk.dtype:
-        if first:
-            torch.mm(grad_chunk.t(), x_chunk, out=grad_weight)
-        else:
-            grad_weight.addmm_(grad_chunk.t(), x_chunk)
-        return
-    # float32 accumulator for low-precision operands.
-    if _fp32_out_addmm_works(grad_weight.device, grad_chunk.dtype):
-        torch.addmm(grad_weight, grad_chunk.t(), x_chunk, out_dtype=torch.float32, out=grad_weight)
-        return
-    # Fallback: vocabulary slices, so the low-precision temporary stays chunk-sized.
-    n_rows, n_cols = grad_chunk.shape
-    slice_cols = max(1, (n_rows * n_cols) // max(1, x_chunk.shape[1]))
-    for start in range(0, n_cols, slice_cols):
-        stop = min(start + slice_cols, n_cols)
-        grad_weight[start:stop].add_(grad_chunk[:, start:stop].t() @ x_chunk)
-
-
 def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
                             class_weight: torch.Tensor | None, row_scale: torch.Tensor | None, ignore_index: int,
                             label_smoothing: float, lse_square_scale: float, softcap: float, mean_reduction: bool,
                             compute_accuracy: bool, grad_input_needed: bool, grad_weight_needed: bool,
-                            grad_bias_needed: bool, accum_fp32: bool):
+                            grad_bias_needed: bool, accum_fp32: bool, floor_bytes: int):
     """The chunk loop. Returns per-row (loss, z_loss, correct), the mean's count, and the grads.
 
     Gradients not asked for are returned as empty tensors. With ``row_scale`` (N,) each
-    row's logit gradient is multiplied by it (the ``"none"`` backward).
+    row's logit gradient is multiplied by it (the ``"none"`` backward). ``floor_bytes``, the
+    bytes of the gradients the whole call produces, sizes the chunks (the same in the
+    ``"none"`` forward, which computes none, and its backward: same chunks, same logits).
     """
     n_rows, hidden = x.shape
     n_cols = weight.shape[0]
@@ -198,8 +93,6 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, target: torch
 
     if n_rows > 0:
         with gemm_reduction_precision():
-            floor_bytes = (grad_input.numel() * grad_input.element_size()
-                           + (weight.numel() * weight.element_size() if grad_weight_needed else 0))
             chunk_rows = chunk_rows_for(n_rows, n_cols, x.element_size(), floor_bytes)
             chunk_buffer = torch.empty((chunk_rows, n_cols), device=device, dtype=x.dtype)
             weight_t = weight.t()
@@ -261,6 +154,7 @@ def fused_linear_cross_entropy_forward(
     grad_weight_needed: bool,
     grad_bias_needed: bool,
     accum_fp32: bool,
+    floor_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher: (loss, z_loss, token_accuracy, dX, dW, dB) for unit upstream gradient.
 
@@ -273,7 +167,8 @@ def fused_linear_cross_entropy_forward(
         loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias = (
             _chunked_loss_and_grads(x, weight, target, bias, class_weight, None, ignore_index, label_smoothing,
                                     lse_square_scale, softcap, reduction == "mean", compute_accuracy,
-                                    grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32)
+                                    grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+                                    floor_bytes)
         )
     return (
         *reduce_rows(loss_rows, z_rows, correct_rows, n_counted, reduction),
@@ -294,7 +189,8 @@ def _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bia
 @fused_linear_cross_entropy_forward.register_fake
 def _fused_linear_cross_entropy_forward_fake(x, weight, target, bias, class_weight, ignore_index, label_smoothing,
                                              lse_square_scale, softcap, reduction, compute_accuracy,
-                                             grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32):
+                                             grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32,
+                                             floor_bytes):
     shape = (x.shape[0],) if reduction == "none" else ()
     losses = [x.new_empty(shape, dtype=torch.float32) for _ in range(3)]
     return (*losses, *_fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed))
@@ -305,8 +201,8 @@ def fused_linear_cross_entropy_backward(grad_rows: torch.Tensor, x: torch.Tensor
                                         target: torch.Tensor, bias: torch.Tensor | None,
                                         class_weight: torch.Tensor | None, ignore_index: int, label_smoothing: float,
                                         lse_square_scale: float, softcap: float, grad_input_needed: bool,
-                                        grad_weight_needed: bool, grad_bias_needed: bool,
-                                        accum_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                        grad_weight_needed: bool, grad_bias_needed: bool, accum_fp32: bool,
+                                        floor_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher for the ``"none"`` backward: (dX, dW, dB) for per-row upstream gradient ``grad_rows`` (N,).
 
     Recomputes each chunk's logits; the kernel scales row ``i`` of the logit gradient by
@@ -316,14 +212,14 @@ def fused_linear_cross_entropy_backward(grad_rows: torch.Tensor, x: torch.Tensor
     with torch.autocast(device_type=x.device.type, enabled=False):
         *_, grad_input, grad_weight, grad_bias = _chunked_loss_and_grads(
             x, weight, target, bias, class_weight, grad_rows, ignore_index, label_smoothing, lse_square_scale,
-            softcap, False, False, grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32)
+            softcap, False, False, grad_input_needed, grad_weight_needed, grad_bias_needed, accum_fp32, floor_bytes)
     return grad_input, grad_weight, grad_bias
 
 
 @fused_linear_cross_entropy_backward.register_fake
 def _fused_linear_cross_entropy_backward_fake(grad_rows, x, weight, target, bias, class_weight, ignore_index,
                                               label_smoothing, lse_square_scale, softcap, grad_input_needed,
-                                              grad_weight_needed, grad_bias_needed, accum_fp32):
+                                              grad_weight_needed, grad_bias_needed, accum_fp32, floor_bytes):
     return _fake_grads(x, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed)
 
 
@@ -376,10 +272,12 @@ def _fused_linear_cross_entropy(ctx, _input, weight, target, bias, ce_weight, op
     needs_bias = bool(needs_bias) and bias is not None
     kernel_options = options.kernel_options
     in_forward = options.reduction != "none"
+    floor_bytes = gradient_bytes(x, weight, bool(needs_input), bool(needs_weight))
     forward = _fused_linear_cross_entropy_forward_fake if meta else fused_linear_cross_entropy_forward
     loss, z_loss, accuracy, grad_input, grad_weight, grad_bias = forward(
         x, weight, target, bias, ce_weight, *kernel_options, options.reduction, options.return_token_accuracy,
         bool(needs_input) and in_forward, bool(needs_weight) and in_forward, needs_bias and in_forward, accum_fp32,
+        floor_bytes,
     )
     target_check.wait()
     ctx.reduction = options.reduction
@@ -389,6 +287,7 @@ def _fused_linear_cross_entropy(ctx, _input, weight, target, bias, ce_weight, op
     else:
         ctx.options = kernel_options
         ctx.accum_fp32 = accum_fp32
+        ctx.floor_bytes = floor_bytes
         ctx.save_for_backward(x, weight, target, bias, ce_weight)
     ctx.mark_non_differentiable(z_loss, accuracy)
     return loss, z_loss, accuracy
@@ -438,7 +337,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
                         else fused_linear_cross_entropy_backward)
             grad_input, grad_weight, grad_bias = backward(
                 grad_loss, x, weight, target, bias, ce_weight, *ctx.options, needs_input, needs_weight, needs_bias,
-                ctx.accum_fp32,
+                ctx.accum_fp32, ctx.floor_bytes,
             )
         return (
             grad_input if needs_input else None,

@@ -12,12 +12,15 @@ Both outputs are float32 and differentiable in ``x``, ``W`` and ``b``: with upst
 
     dL/ds = g (onehot(y) - p) - h p (log p + H),    dL/dz = dL/ds / tau
 
-and ``dx = (dL/dz) W``, ``dW = (dL/dz)^T x``, ``db = sum_rows dL/dz``. The forward pass keeps
-only x, W, b and y; the backward hands the scalar ``sum_n g_n logp_n + h_n H_n`` to the chunked
-head engine, which recomputes each chunk's logits (one more GEMM per chunk) and differentiates
-through the same float32 code by autograd. Chunks follow the engine's budget
+and ``dx = (dL/dz) W``, ``dW = (dL/dz)^T x``, ``db = sum_rows dL/dz``. The forward pass runs
+one logits GEMM and the row-statistics kernel per chunk
+(:mod:`~liger_kernel.ops.head_epilogue`) and keeps only x, W, b and y: ``g`` and ``h`` are
+known only in backward and dW depends on them row by row, so the backward hands the scalar
+``sum_n g_n logp_n + h_n H_n`` to the chunked head engine, which recomputes each chunk's
+logits and writes their gradient in place (8 N D V flops in all, against 6 N D V for a loss
+whose upstream gradient is a scalar). Chunks follow the engine's budget
 (:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`); logits are one GEMM in the input
-dtype with float32 accumulation, everything after is float32, and the logit gradient is
+dtype with float32 accumulation, every statistic after is float32, and the logit gradient is
 rounded to the input dtype for the gradient GEMMs.
 
 This is what an RL trainer computing its own policy loss needs (the log-probabilities of the
@@ -29,8 +32,6 @@ best-known library: the entropy is returned in float32, not in the input dtype.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -44,63 +45,16 @@ from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
 )
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.fused_linear_cross_entropy import gemm_reduction_precision
+from liger_kernel.ops.head_chunking import gemm_reduction_precision, gradient_bytes
+from liger_kernel.ops.head_epilogue import LogitRowStatistics, check_temperature
 
 
-class LogProbEntropyRows:
-    """``token_fn`` of the chunked head engine: per float32 logit row ``z`` (R, V) and target ``y`` (R,)
-    (any shape with R entries), ``[logp]`` or ``[logp, H]`` (R, K) float32 at ``s = z / temperature``.
-
-    Rows whose target equals ``ignore_index`` (when one is given) are 0; any other target outside
-    [0, V) reads token 0. Differentiable by autograd; :meth:`backward_in_place` is the same
-    vector-Jacobian product in closed form, written over the logits (no autograd buffers)::
-
-        dL/dz = (c_logp (onehot(y) - p) - c_H p (log p + H)) / temperature
-    """
-
-    def __init__(self, temperature: float = 1.0, ignore_index: int | None = None, with_entropy: bool = True):
-        self.temperature, self.ignore_index, self.with_entropy = temperature, ignore_index, with_entropy
-
-    def _ids(self, target: torch.Tensor, vocab: int):
-        target = target.reshape(-1).long()
-        valid = target != self.ignore_index if self.ignore_index is not None else None
-        ids = torch.where((target >= 0) & (target < vocab), target, torch.zeros_like(target))
-        return ids.unsqueeze(-1), valid
-
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        ids, valid = self._ids(target, logits.shape[-1])
-        scaled = logits / self.temperature if self.temperature != 1.0 else logits
-        logp_all = scaled.log_softmax(-1)
-        columns = [logp_all.gather(-1, ids).squeeze(-1)]
-        if self.with_entropy:
-            columns.append(-(logp_all.exp() * logp_all).sum(-1))
-        q = torch.stack(columns, dim=-1)
-        return q * valid.unsqueeze(-1) if valid is not None else q
-
-    def backward_in_place(self, logits: torch.Tensor, grad_q: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """``dL/dz`` for ``grad_q = dL/dq`` (R, K), computed in ``logits``' storage (which it returns)."""
-        ids, valid = self._ids(target, logits.shape[-1])
-        grad_q = grad_q.to(logits.dtype) if valid is None else grad_q.to(logits.dtype) * valid.unsqueeze(-1)
-        c_logp = grad_q[:, :1]
-        if self.temperature != 1.0:
-            logits.div_(self.temperature)
-        logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
-        if self.with_entropy:
-            p = logp.exp()
-            entropy = -torch.bmm(p.unsqueeze(1), logp.unsqueeze(-1)).view(-1, 1)
-            grad = logp.add_(entropy).mul_(-grad_q[:, 1:2]).sub_(c_logp).mul_(p)
-            del p
-        else:
-            grad = logp.exp_().mul_(-c_logp)
-        grad.scatter_add_(-1, ids, c_logp)
-        return grad.div_(self.temperature) if self.temperature != 1.0 else grad
-
-
-def check_temperature(temperature: float) -> None:
-    """A softmax temperature must be a finite number > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+def log_prob_entropy_rows(temperature: float = 1.0, ignore_index: int | None = None,
+                          with_entropy: bool = True) -> LogitRowStatistics:
+    """The engine's ``token_fn`` of this op: per logit row ``z`` (R, V) and target ``y`` (R,),
+    ``[logp]`` or ``[logp, H]`` (R, K) float32 at ``s = z / temperature``, both 0 where
+    ``y == ignore_index`` (when one is given); any other target outside [0, V) reads token 0."""
+    return LogitRowStatistics(ignore_index, temperature, entropy=with_entropy)
 
 
 def _check(x, weight, bias, target, temperature, ignore_index):
@@ -117,24 +71,26 @@ def _check(x, weight, bias, target, temperature, ignore_index):
         raise ValueError(f"target must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}")
 
 
-def row_chunks(x: torch.Tensor, weight: torch.Tensor) -> list[tuple[int, int]]:
-    """Row ranges of 2-D ``x``: the same in forward and backward, so both compute the same logits."""
+def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = (True, True)) -> list[tuple[int, int]]:
+    """Row ranges of 2-D ``x``: those of the engine's backward pass (every row a group, the
+    closed-form path, for the gradients ``needs`` says the call produces), so forward and
+    backward compute the same logits."""
     n_rows = x.shape[0]
-    floor_bytes = x.numel() * x.element_size() + weight.numel() * weight.element_size()
-    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes).chunk_rows
+    floor_bytes = gradient_bytes(x, weight, bool(needs[0]), bool(needs[1]))
+    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes, x.element_size()).chunk_rows
     if rows < 1:
         raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {rows}")
     return [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
 
 
-def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_index):
+def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_index, needs=(True, True)):
     """(N, 2) float32 ``[logp, H]`` of 2-D ``x`` (N, D), chunk by chunk, no graph."""
     n_rows = x.shape[0]
     out = torch.empty((n_rows, 2), device=x.device, dtype=torch.float32)
-    rows = LogProbEntropyRows(temperature, ignore_index)
+    rows = log_prob_entropy_rows(temperature, ignore_index)
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
-        for a, b in row_chunks(x, weight):
-            out[a:b] = rows(_logits(x[a:b], weight, bias).float(), target[a:b])
+        for a, b in row_chunks(x, weight, needs):
+            out[a:b] = rows.statistics(_logits(x[a:b], weight, bias), target[a:b])[0]
     return out
 
 
@@ -143,13 +99,13 @@ def logprobs_and_entropy_backward(x, weight, bias, target, temperature, ignore_i
 
     They are the gradients of the scalar ``sum_n grad_out[n] . [logp_n, H_n]``, which the chunked
     head engine computes with every row a group of its own (one pass, each chunk's logits
-    recomputed and differentiated through :class:`LogProbEntropyRows`).
+    recomputed, its gradient formed in place by :func:`log_prob_entropy_rows`' closed form).
     """
 
     def group_fn(q, q_ref, upstream):
         return (q[:, 0, :] * upstream).sum(), ()
 
-    _, _, grads = chunked_head_loss_and_grads(x.unsqueeze(1), weight, bias, LogProbEntropyRows(temperature, ignore_index),
+    _, _, grads = chunked_head_loss_and_grads(x.unsqueeze(1), weight, bias, log_prob_entropy_rows(temperature, ignore_index),
                                               group_fn,
                                               token_args=(target.unsqueeze(1),), group_args=(grad_out,), needs=needs)
     if grads.x is not None:
@@ -166,7 +122,8 @@ class LigerFusedLinearLogProbsFunction(EagerUnderCompile, torch.autograd.Functio
         _check(x, weight, bias, target, temperature, ignore_index)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         t1 = target.reshape(-1)
-        out = logprobs_and_entropy_forward(x2, weight, bias, t1, temperature, ignore_index)
+        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
+        out = logprobs_and_entropy_forward(x2, weight, bias, t1, temperature, ignore_index, needs)
         ctx.save_for_backward(x2, weight, bias, t1)
         ctx.temperature, ctx.ignore_index, ctx.x_shape = temperature, ignore_index, x.shape
         lead = tuple(x.shape[:-1])
