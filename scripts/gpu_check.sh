@@ -23,7 +23,7 @@
 #   GPU_CHECK_PEERS=0|1 (0)  peers in the same run (benchmarks/peers.py): install the wheels of
 #                 GPU_CHECK_WHEELS (default .whl/, an ignored folder: pass it in the device tool's carry)
 #                 offline: *.whl with pip --no-index --no-deps --target $TMPDIR/liger_peers (appended to
-#                 PYTHONPATH, after this checkout's src), upstream/*.whl (the upstream liger-kernel release)
+#                 the benchmark stages' PYTHONPATH, after this checkout's src; the tests never see it), upstream/*.whl (the upstream liger-kernel release)
 #                 into $TMPDIR/liger_upstream (its own directory, never on this process's path; children
 #                 import it from LIGER_UPSTREAM_PATH); then the benchmarks get --peers all and the e2e
 #                 runs may name the liger-upstream variant. A peer that is missing is reported as skipped.
@@ -179,7 +179,8 @@ if [ "${GPU_CHECK_PEERS:-0}" = 1 ]; then
     join_wheel_parts "$wheels"
     if compgen -G "$wheels/*.whl" >/dev/null; then
       "$PY" -m pip install --no-index --no-deps --upgrade --target "$peer_site" "$wheels"/*.whl 2>&1 | tail -2
-      export PYTHONPATH="$PYTHONPATH:$peer_site"
+      # Only the benchmark stages see the peers (the tests run against this checkout alone).
+      bench_path="$PYTHONPATH:$peer_site"
     fi
     if compgen -G "$wheels/upstream/*.whl" >/dev/null; then
       "$PY" -m pip install --no-index --no-deps --upgrade --target "$upstream_site" "$wheels"/upstream/*.whl 2>&1 | tail -2
@@ -220,7 +221,7 @@ if [ "$run_bench" = 1 ]; then
   secs=$(stage_seconds bench)
   echo "== benchmarks (up to ${secs}s) ==" >&2
   # shellcheck disable=SC2086
-  with_timeout "$secs" "$PY" -m benchmarks --out "$out" --max-seconds $((secs - 60 > 30 ? secs - 60 : 30)) \
+  PYTHONPATH="${bench_path:-$PYTHONPATH}" with_timeout "$secs" "$PY" -m benchmarks --out "$out" --max-seconds $((secs - 60 > 30 ? secs - 60 : 30)) \
     ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   bench_rc=$?
   [ "$bench_rc" = 0 ] || status=1
@@ -241,7 +242,7 @@ if [ "$run_e2e" = 1 ]; then
     secs=$(stage_seconds e2e)
     echo "--- e2e_training.py $e2e_args (up to ${secs}s)" >>"$out/bench.log"
     # shellcheck disable=SC2086
-    with_timeout "$secs" "$PY" "$e2e_script" --out "$out" $e2e_args >>"$out/bench.log" 2>&1
+    PYTHONPATH="${bench_path:-$PYTHONPATH}" with_timeout "$secs" "$PY" "$e2e_script" --out "$out" $e2e_args >>"$out/bench.log" 2>&1
     rc=$?
     [ "$rc" = 0 ] || e2e_rc=$rc
   done

@@ -97,6 +97,13 @@ class LigerFusedLinearDistillationBase(EagerUnderCompile, torch.autograd.Functio
     def distillation_loss_fn(student_logits, teacher_logits, target=None, ignore_index=-100, **kwargs):
         raise NotImplementedError("a LigerFusedLinearDistillationBase subclass must define distillation_loss_fn")
 
+    @classmethod
+    def closed_form_token_fn(cls, temperature, ignore_index, student_vocab, teacher_vocab, compute_ce_loss,
+                             loss_kwargs):
+        """A ``token_fn`` with the engine's closed-form path computing what ``distillation_token_fn``
+        computes for these options, or None (autograd through ``distillation_loss_fn``)."""
+        return None
+
     @staticmethod
     def forward(cls, ctx, student_input, student_weight, teacher_input, teacher_weight, target, student_bias=None,
                 teacher_bias=None, chunk_size=1024, ignore_index=-100, weight_hard_loss=0.5, weight_soft_loss=0.5,
@@ -130,8 +137,11 @@ class LigerFusedLinearDistillationBase(EagerUnderCompile, torch.autograd.Functio
         loss_kwargs = dict(loss_kwargs, beta=beta)
         # The cross-entropy costs a second log-softmax of every chunk: skipped when nothing reads it.
         ce_needed = compute_ce_loss and (weight_hard_loss != 0 or return_soft_hard_loss)
-        token_fn = distillation_token_fn(cls.distillation_loss_fn, temperature, ignore_index, student_vocab,
-                                         teacher_vocab, ce_needed, loss_kwargs)
+        token_fn = cls.closed_form_token_fn(temperature, ignore_index, student_vocab, teacher_vocab, ce_needed,
+                                            loss_kwargs)
+        if token_fn is None:
+            token_fn = distillation_token_fn(cls.distillation_loss_fn, temperature, ignore_index, student_vocab,
+                                             teacher_vocab, ce_needed, loss_kwargs)
 
         def group_fn(q, q_ref):
             hard = q[..., 0].sum() / n_valid

@@ -25,6 +25,7 @@ from liger_kernel.chunked_loss.fused_linear_distillation import (
     LabelledDistillationFunction,
     LabelledDistillationLoss,
 )
+from liger_kernel.ops.distillation_epilogue import GeneralizedJSDRows
 
 
 def _kl_rows(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -59,6 +60,14 @@ class LigerFusedLinearJSDFunction(LabelledDistillationFunction):
     @staticmethod
     def distillation_loss_fn(student_logits, teacher_logits, target=None, ignore_index=-100, beta=0.5):
         return generalized_jsd_rows(student_logits, teacher_logits, beta)  # the base zeroes ignored rows
+
+    @classmethod
+    def closed_form_token_fn(cls, temperature, ignore_index, student_vocab, teacher_vocab, compute_ce_loss,
+                             loss_kwargs):
+        # Triton passes over the chunks in their own dtype where the two heads share a vocabulary.
+        if teacher_vocab != student_vocab or set(loss_kwargs) != {"beta"}:
+            return None
+        return GeneralizedJSDRows(loss_kwargs["beta"], temperature, ignore_index, compute_ce_loss)
 
 
 class LigerFusedLinearJSDLoss(LabelledDistillationLoss):

@@ -353,15 +353,17 @@ def chunked_head_loss_and_grads(
     x = x.contiguous()
     n_rows, n_cols = n_groups * seq_len, weight.shape[0]
     floor_bytes = gradient_bytes(x, weight, needs[0], needs[1])
-    bytes_per_logit = x.element_size() if _in_place(token_fn) else AUTOGRAD_BYTES_PER_LOGIT
+    closed_form = _in_place(token_fn)
+    bytes_per_logit = x.element_size() if closed_form else AUTOGRAD_BYTES_PER_LOGIT
     if ref_logits_to_token_fn and ref_weight is not None:
-        bytes_per_logit += 4  # the second head's float32 logits beside the chunk
+        # The second head's logits beside the chunk (float32 for autograd).
+        bytes_per_logit += ref_x.element_size() if closed_form else 4
     chunk_rows = launch_config(ChunkedHeadConfig, n_rows, n_cols, floor_bytes, bytes_per_logit).chunk_rows
     if chunk_rows < 1:
         raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {chunk_rows}")
     grads = _GradAccumulator(x, weight, bias, needs, accum_fp32)
     plan = chunk_plan(n_groups, seq_len, paired, additive, chunk_rows)
-    rows = _Rows(x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn)
+    rows = _Rows(x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn, closed_form)
     with torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
         if n_rows == 0:
             empty = torch.zeros((0, n_cols), device=x.device)
@@ -391,8 +393,10 @@ class _Rows:
     """The batch as (B*T)-row matrices, and per chunk its logits, its second head's quantities
     and its side tensors."""
 
-    def __init__(self, x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn):
+    def __init__(self, x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn,
+                 closed_form):
         self.x, self.weight, self.bias = _rows(x), weight, bias
+        self.closed_form = closed_form
         self.token_args = [_rows(t) for t in token_args]
         self.ref_x = _rows(ref_x) if ref_weight is not None else None
         self.ref_weight, self.ref_bias = ref_weight, ref_bias
@@ -408,7 +412,8 @@ class _Rows:
             return ()
         if not ranges:  # empty batch
             return (self.x.new_zeros((0, self.ref_weight.shape[0]), dtype=torch.float32),)
-        return (self.ref_logits(ranges).float(),)
+        logits = self.ref_logits(ranges)
+        return (logits if self.closed_form else logits.float(),)
 
     def logits(self, ranges: Ranges, x_rows: torch.Tensor | None = None) -> torch.Tensor:
         with torch.no_grad():
