@@ -59,6 +59,11 @@ EXPECTED = {
 }
 
 
+# transformers checks the installed kernels version against its own range before use_kernels.
+needs_use_kernels = pytest.mark.skipif(not transformers.utils.is_kernels_available(),
+                                       reason="transformers does not accept the installed kernels version")
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory):
     return build_repository(tmp_path_factory.mktemp("hub") / "liger-kernel")
@@ -183,6 +188,7 @@ def test_kernelize_matches_hf(model_type, repository, layers):
         assert norm_plans["LlamaRMSNorm"].offset == 0.0
 
 
+@needs_use_kernels
 def test_global_mapping_route_through_from_pretrained(repository, layers, tmp_path, monkeypatch):
     """A mapping registered for the device, layouts patched in while the model is built, then
     ``from_pretrained(use_kernels=True)``: train() re-kernelizes with it in training mode."""
@@ -209,6 +215,7 @@ def test_global_mapping_route_through_from_pretrained(repository, layers, tmp_pa
         assert_same_step(model, reference)
 
 
+@needs_use_kernels
 def test_kernel_config_route_through_from_pretrained(repository, tmp_path, monkeypatch, patch_mapping):
     """``KernelConfig`` with hub names and a class-name key (the layout route), the Hub id served
     by ``LOCAL_KERNELS``. transformers 5.25 refuses device "cpu" in a KernelConfig and registers
@@ -342,3 +349,68 @@ def test_rope_probe_finds_interleaved_pairs_and_keeps_another_function(repositor
             torch.testing.assert_close(ours, theirs, **FP32_TOL)
         plan = next(plan for key, plan in layers._ROPE_PLANS.items() if key[0] is type(wrapper))
         assert (plan if plan is None else plan.interleaved) == interleaved_layout
+
+
+# The layer names of each published interface version (the Hub branch v<N>): changing
+# ``__all__`` or a forward's parameters needs a new ``LAYERS_VERSION`` and an entry here.
+PUBLISHED = {
+    1: {
+        "LigerRMSNorm": ["self", "hidden_states"],
+        "LigerRotaryPosEmb": ["self", "q", "k", "cos", "sin", "unsqueeze_dim"],
+        "LigerSwiGLUMLP": ["self", "x"],
+        "LigerSwiGLUMLPLayout": ["self", "x"],
+        "LigerGEGLUMLP": ["self", "x"],
+        "LigerGEGLUMLPLayout": ["self", "x"],
+        "LigerGemmaRMSNorm": ["self", "x"],
+        "LigerGemmaRMSNormLayout": ["self", "x"],
+    },
+}
+
+
+def test_layers_version_pins_the_interface():
+    import inspect
+
+    from liger_kernel.hub import layers as source
+
+    interface = {name: list(inspect.signature(getattr(source, name).forward).parameters) for name in source.__all__}
+    assert interface == PUBLISHED[source.LAYERS_VERSION]
+
+
+def test_kernels_validates_each_layer_against_the_classes_it_replaces(layers):
+    from kernels._internals.layer.layer import _validate_layer
+    from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.qwen3 import modeling_qwen3
+
+    pairs = [(layers.LigerRMSNorm, norm) for norm in (modeling_llama.LlamaRMSNorm, modeling_qwen3.Qwen3RMSNorm,
+                                                       modeling_mixtral.MixtralRMSNorm)]
+    pairs += [(layers.LigerRotaryPosEmb, type(module.apply_rotary_pos_emb))
+              for module in (modeling_llama, modeling_gemma3, modeling_mixtral)]
+    pairs += [(getattr(layers, name), getattr(layers, f"{name}Layout"))
+              for name in ("LigerSwiGLUMLP", "LigerGEGLUMLP", "LigerGemmaRMSNorm")]
+    for layer, replaced in pairs:
+        _validate_layer(check_cls=replaced, cls=layer, repo=f"{layer.__name__} for {replaced.__name__}")
+        assert layer.has_backward and not layer.can_torch_compile
+    # The check is real: a layer with state is refused.
+    stateful = type("Stateful", (layers.LigerRMSNorm,), {"cache": {}})
+    with pytest.raises(TypeError):
+        _validate_layer(check_cls=modeling_llama.LlamaRMSNorm, cls=stateful, repo="stateful")
+
+
+def test_probe_tolerances_and_activation_names_are_the_patchings():
+    from liger_kernel.hub import layers as source
+    from liger_kernel.transformers.families import GELU_TANH_ACTIVATIONS, SILU_ACTIVATIONS
+    from liger_kernel.transformers.patching.discovery import _PROBE_RTOL
+
+    assert source.PROBE_RTOL == _PROBE_RTOL
+    assert source.SILU_ACTIVATIONS == SILU_ACTIVATIONS
+    assert source.GELU_TANH_ACTIVATIONS == GELU_TANH_ACTIVATIONS
+
+
+def test_layouts_refuse_an_activation_the_kernel_does_not_compute(layers):
+    config = tiny_config("llama", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        layers.LigerSwiGLUMLPLayout(config)
+    with pytest.raises(ValueError, match="hidden_act='silu'"):
+        layers.LigerGEGLUMLPLayout(tiny_config("llama"))
