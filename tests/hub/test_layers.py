@@ -40,6 +40,7 @@ LAYERS = {
     "LigerSwiGLUMLP": "LigerSwiGLUMLP",
     "LigerGEGLUMLP": "LigerGEGLUMLP",
     "LigerGemmaRMSNorm": "LigerGemmaRMSNorm",
+    "LigerSwiGLUExperts": "LigerSwiGLUExperts",
 }
 
 # HF class -> the layout the ``{Kernel}Layout`` route puts in its place.
@@ -47,7 +48,7 @@ LAYOUTS = {
     "llama": {"LlamaMLP": "LigerSwiGLUMLPLayout"},
     "qwen3": {"Qwen3MLP": "LigerSwiGLUMLPLayout"},
     "gemma3": {"Gemma3MLP": "LigerGEGLUMLPLayout", "Gemma3RMSNorm": "LigerGemmaRMSNormLayout"},
-    "mixtral": {},  # fused experts: no layer of the build; the router, norms and RoPE are covered
+    "mixtral": {"MixtralExperts": "LigerSwiGLUExpertsLayout"},
 }
 
 # The names each model must run through the build.
@@ -55,7 +56,7 @@ EXPECTED = {
     "llama": {"RMSNorm", "rotary_pos_emb", "LigerSwiGLUMLP"},
     "qwen3": {"RMSNorm", "rotary_pos_emb", "LigerSwiGLUMLP"},
     "gemma3": {"rotary_pos_emb", "LigerGEGLUMLP", "LigerGemmaRMSNorm"},
-    "mixtral": {"RMSNorm", "rotary_pos_emb"},
+    "mixtral": {"RMSNorm", "rotary_pos_emb", "LigerSwiGLUExperts"},
 }
 
 
@@ -363,6 +364,8 @@ PUBLISHED = {
         "LigerGEGLUMLPLayout": ["self", "x"],
         "LigerGemmaRMSNorm": ["self", "x"],
         "LigerGemmaRMSNormLayout": ["self", "x"],
+        "LigerSwiGLUExperts": ["self", "hidden_states", "top_k_index", "top_k_weights"],
+        "LigerSwiGLUExpertsLayout": ["self", "hidden_states", "top_k_index", "top_k_weights"],
     },
 }
 
@@ -388,7 +391,8 @@ def test_kernels_validates_each_layer_against_the_classes_it_replaces(layers):
     pairs += [(layers.LigerRotaryPosEmb, type(module.apply_rotary_pos_emb))
               for module in (modeling_llama, modeling_gemma3, modeling_mixtral)]
     pairs += [(getattr(layers, name), getattr(layers, f"{name}Layout"))
-              for name in ("LigerSwiGLUMLP", "LigerGEGLUMLP", "LigerGemmaRMSNorm")]
+              for name in ("LigerSwiGLUMLP", "LigerGEGLUMLP", "LigerGemmaRMSNorm", "LigerSwiGLUExperts")]
+    pairs.append((layers.LigerSwiGLUExperts, modeling_mixtral.MixtralExperts))
     for layer, replaced in pairs:
         _validate_layer(check_cls=replaced, cls=layer, repo=f"{layer.__name__} for {replaced.__name__}")
         assert layer.has_backward and not layer.can_torch_compile

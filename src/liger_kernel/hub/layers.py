@@ -17,6 +17,9 @@ layer                     replaces                                          kern
 ``LigerGEGLUMLP``         ``LigerGEGLUMLPLayout``, e.g. for ``Gemma3MLP``     the same, tanh-GELU
 ``LigerGemmaRMSNorm``     ``LigerGemmaRMSNormLayout``, e.g. for             ``LigerRMSNormFunction``
                           ``Gemma3RMSNorm`` (``(1 + w) * x_hat`` in fp32)    (offset 1, "gemma")
+``LigerSwiGLUExperts``    ``LigerSwiGLUExpertsLayout``, e.g. for            ``LigerSiLUMulFunction``
+                          ``MixtralExperts`` / ``Qwen3MoeExperts`` (3-D
+                          ``gate_up_proj``/``down_proj``, SiLU)
 ========================  ================================================  ==========================
 
 The hub names cover classes of many models (133 ``RMSNorm`` classes, 118 rotary functions in
@@ -68,6 +71,8 @@ __all__ = [
     "LigerGEGLUMLPLayout",
     "LigerGemmaRMSNorm",
     "LigerGemmaRMSNormLayout",
+    "LigerSwiGLUExperts",
+    "LigerSwiGLUExpertsLayout",
 ]
 
 # The patching's probe tolerances (liger_kernel.transformers.patching.discovery), repeated here
@@ -392,3 +397,75 @@ class LigerGEGLUMLPLayout(_GatedMLPLayout):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+# ------------------------------------------------------------------------------------------
+# Fused MoE experts
+# ------------------------------------------------------------------------------------------
+def experts_loop(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """HF's eager fused-experts loop (``MixtralExperts.forward``, transformers 5.17-5.25) over
+    ``module.gate_up_proj`` (E, 2I, H; gate first) and ``module.down_proj`` (E, H, I).
+
+    ``hidden_states`` (S, H), ``top_k_index``/``top_k_weights`` (S, K) -> (S, H). An index equal
+    to ``num_experts`` marks a token routed to another (expert-parallel) rank and is skipped.
+    ``use_kernel``: ``silu(gate) * up`` by the Liger kernel (as the patching's ``_apply_gate``),
+    else by torch.
+    """
+    num_experts = module.gate_up_proj.shape[0]
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        gate, up = F.linear(hidden_states[token_idx], module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        gated = LigerSiLUMulFunction.apply(gate, up, False) if use_kernel else F.silu(gate) * up
+        expert_out = F.linear(gated, module.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, expert_out.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+class LigerSwiGLUExperts(nn.Module):
+    """Fused SwiGLU experts: for each expert e and its tokens,
+    ``down_proj[e] @ (silu(gate) * up) * routing weight``, ``gate, up = gate_up_proj[e] @ x``
+    (gate first), summed per token. Reads ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)
+    off the module; the eager loop of HF, whatever ``config._experts_implementation`` says."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return experts_loop(self, hidden_states, top_k_index, top_k_weights, use_kernel=True)
+
+
+class LigerSwiGLUExpertsLayout(nn.Module):
+    """The module a ``KernelConfig`` puts in place of a fused-experts class (``MixtralExperts``,
+    ``Qwen3MoeExperts``): built from ``config`` like them (``num_local_experts`` or ``num_experts``
+    experts, ``moe_intermediate_size`` or ``intermediate_size``), with the same parameters
+    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I), no biases. Raises ``ValueError`` for an
+    activation other than SiLU. Torch math until ``kernelize`` binds :class:`LigerSwiGLUExperts`."""
+
+    kernel_layer_name = "LigerSwiGLUExperts"
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        activation = getattr(config, "hidden_act", None)
+        if activation not in SILU_ACTIVATIONS:
+            raise ValueError(f"{type(self).__name__} computes silu(gate) * up; config.hidden_act={activation!r} "
+                             f"is not one of {SILU_ACTIVATIONS}")
+        self.config = config
+        self.num_experts = getattr(config, "num_local_experts", None) or config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        std = getattr(config, "initializer_range", 0.02)
+        self.gate_up_proj = nn.Parameter(torch.randn(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim) * std)
+        self.down_proj = nn.Parameter(torch.randn(self.num_experts, self.hidden_dim, self.intermediate_dim) * std)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return experts_loop(self, hidden_states, top_k_index, top_k_weights, use_kernel=False)
