@@ -203,20 +203,12 @@ def check_bundle(files: dict[str, str]) -> None:
                 raise BuildError(f"{path}:{node.lineno} uses the name {PACKAGE}")
 
 
-def layers_version() -> int:
-    tree = ast.parse(module_path(LAYERS_MODULE).read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LAYERS_VERSION" for t in node.targets):
-            return int(ast.literal_eval(node.value))
-    raise BuildError(f"{LAYERS_MODULE} defines no LAYERS_VERSION")
-
-
-def package_version() -> str:
-    tree = ast.parse(module_path(PACKAGE).read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
-            return str(ast.literal_eval(node.value))
-    return "unknown"
+def module_constant(module: str, name: str):
+    """The literal value a module assigns to ``name`` at top level, read without importing it."""
+    for node in ast.parse(module_path(module).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise BuildError(f"{module} assigns no {name}")
 
 
 def bundle_sources() -> dict[str, str]:
@@ -225,8 +217,9 @@ def bundle_sources() -> dict[str, str]:
     for module in import_closure():
         files[bundle_name(module).replace(".", "/") + ".py"] = _rewrite_imports(module, module_path(module).read_text())
     files["ops/__init__.py"] = f'"""The {BUNDLED_PACKAGE} modules the layers need, bundled by scripts/build_hub_kernel.py."""\n'
+    version = module_constant(PACKAGE, "__version__")
     files["__init__.py"] = (
-        f'"""liger_kernel {package_version()} as a Hub kernel: Triton kernels for LLM training.\n\n'
+        f'"""liger_kernel {version} as a Hub kernel: Triton kernels for LLM training.\n\n'
         'The layers ``kernels.kernelize`` binds are in :mod:`.layers`; built by scripts/build_hub_kernel.py.\n"""\n\n'
         "from . import layers\n\n__all__ = [\"layers\"]\n"
     )
@@ -244,7 +237,7 @@ def build(out_dir: Path, backends: tuple[str, ...] = DEFAULT_BACKENDS) -> list[P
     if unknown or not backends:
         raise BuildError(f"backends must be some of {BACKENDS}, got {backends}")
     files = bundle_sources()
-    version = layers_version()
+    version = int(module_constant(LAYERS_MODULE, "LAYERS_VERSION"))
     source_hash = hashlib.sha256(json.dumps([version, sorted(files.items())]).encode()).hexdigest()[:12]
     variants = []
     for backend in backends:
