@@ -93,6 +93,10 @@ def liger_imports(module: str, tree: ast.AST) -> list[tuple[ast.stmt, list[str]]
             origin = _absolute(node, module)
             names = [origin] if origin.split(".")[0] != PACKAGE else [
                 f"{origin}.{alias.name}" if is_module(f"{origin}.{alias.name}") else origin for alias in node.names]
+            if origin == BUNDLED_PACKAGE and BUNDLED_PACKAGE in names:
+                # The bundle's ops/__init__.py re-exports nothing.
+                raise BuildError(f"{module}:{node.lineno}: import names from their {BUNDLED_PACKAGE} module, "
+                                 f"not from {BUNDLED_PACKAGE} itself")
         else:
             continue
         targets = []

@@ -130,6 +130,7 @@ def test_follows_the_import_graph_into_a_new_ops_module(source_copy, tmp_path):
     ("from liger_kernel.transformers.families import FAMILIES", "may bundle only liger_kernel.ops"),
     ("import requests", "may import only the standard library"),
     ("import liger_kernel.ops.rope", "instead of `import liger_kernel.ops.rope`"),
+    ("from liger_kernel.ops import LigerRopeFunction", "not from liger_kernel.ops itself"),
 ])
 def test_refuses_imports_a_kernel_cannot_have(source_copy, tmp_path, statement, message):
     layers = source_copy / "hub" / "layers.py"
