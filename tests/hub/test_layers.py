@@ -204,7 +204,9 @@ def test_global_mapping_route_through_from_pretrained(repository, layers, tmp_pa
         # rotary_pos_emb (docs/ecosystem.md).
         monkeypatch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", {})
         device = Device(type="cuda", properties=CUDAProperties(min_capability=70, max_capability=1000))
-    with use_kernel_mapping(local_mapping(repository, device)):
+    # Not inheriting: a default mapping an earlier from_pretrained registered in this process would
+    # send other layers (SiLU in inference) to the Hub.
+    with use_kernel_mapping(local_mapping(repository, device), inherit_mapping=False):
         with monkey_patching.apply_patches({"LlamaMLP": layers.LigerSwiGLUMLPLayout}):
             model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, use_kernels=True)
         model.to(DEVICE)
