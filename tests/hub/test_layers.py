@@ -18,7 +18,6 @@ from torch import nn
 
 kernels = pytest.importorskip("kernels")
 transformers = pytest.importorskip("transformers")
-monkey_patching = pytest.importorskip("transformers.monkey_patching")
 
 from kernels import CUDAProperties, Device, LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 
@@ -80,6 +79,7 @@ def layers(repository):
 def patch_mapping():
     """transformers' global class-patch registry, restored after the test (KernelConfig's layout
     route registers into it)."""
+    monkey_patching = pytest.importorskip("transformers.monkey_patching")
     saved = dict(monkey_patching.get_patch_mapping())
     yield
     monkey_patching.clear_patch_mapping()
@@ -116,16 +116,24 @@ def reference_model(model_type: str) -> nn.Module:
 
 
 def with_layouts(reference: nn.Module, model_type: str, layers) -> nn.Module:
-    """The reference model rebuilt with the build's layouts in place of HF's classes (as
-    transformers' class patching does), holding the reference's weights."""
-    mapping = {hf_class: getattr(layers, layout) for hf_class, layout in LAYOUTS[model_type].items()}
-    if not mapping:
-        return copy.deepcopy(reference)
-    with monkey_patching.apply_patches(mapping):
-        model = type(reference)(reference.config)
+    """A copy of the reference model with the build's layouts in place of HF's classes (what
+    transformers' class patching does when a ``KernelConfig`` names a class), holding the
+    reference's weights."""
+    model = copy.deepcopy(reference)
+    layouts = {hf_class: getattr(layers, layout) for hf_class, layout in LAYOUTS[model_type].items()}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            layout = layouts.get(type(child).__name__)
+            if layout is None:
+                continue
+            if "RMSNorm" in layout.__name__:
+                replacement = layout(child.weight.shape[0], eps=child.eps)
+            else:
+                replacement = layout(model.config)
+            replacement.load_state_dict(child.state_dict())  # strict: the layouts keep HF's parameter names
+            setattr(parent, name, replacement.to(DEVICE))
     assert {type(m).__name__ for m in model.modules()} >= set(LAYOUTS[model_type].values())
-    model.load_state_dict(reference.state_dict())  # strict: the layouts keep HF's parameter names
-    return model.to(DEVICE)
+    return model
 
 
 def repo(repository, name: str) -> LocalLayerRepository:
@@ -204,6 +212,7 @@ def test_global_mapping_route_through_from_pretrained(repository, layers, tmp_pa
         # rotary_pos_emb (docs/ecosystem.md).
         monkeypatch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", {})
         device = Device(type="cuda", properties=CUDAProperties(min_capability=70, max_capability=1000))
+    monkey_patching = pytest.importorskip("transformers.monkey_patching")
     # Not inheriting: a default mapping an earlier from_pretrained registered in this process would
     # send other layers (SiLU in inference) to the Hub.
     with use_kernel_mapping(local_mapping(repository, device), inherit_mapping=False):
