@@ -23,7 +23,7 @@ from kernels import CUDAProperties, Device, LocalLayerRepository, Mode, kerneliz
 
 from tests.hub.repository import build_repository  # noqa: E402
 from tests.transformers.model_configs import VOCAB, loss_and_grads, random_batch, tiny_config  # noqa: E402
-from tests.utils import DEVICE  # noqa: E402
+from tests.utils import DEVICE, assert_close  # noqa: E402
 
 # As the patching tests (tests/transformers/test_monkey_patch.py): fp32 forward/backward of a
 # 2-layer model, a few ulps per kernel accumulated over the layers.
@@ -429,3 +429,23 @@ def test_layouts_refuse_an_activation_the_kernel_does_not_compute(layers):
         layers.LigerSwiGLUMLPLayout(config)
     with pytest.raises(ValueError, match="hidden_act='silu'"):
         layers.LigerGEGLUMLPLayout(tiny_config("llama"))
+
+
+def test_bf16_model_runs_the_kernels_within_bf16_of_a_float64_reference(repository, layers):
+    """In bf16 (how models train) the probes still accept Llama's norm and rotary function, and the
+    loss stays within the bf16 tolerance of the float64 model's."""
+    reference = reference_model("llama")
+    batch = random_batch(VOCAB, seed=7)
+    with torch.no_grad():
+        exact = copy.deepcopy(reference).double()(**batch).loss
+    model = with_layouts(reference, "llama", layers).to(torch.bfloat16)
+    with use_kernel_mapping(local_mapping(repository)):
+        kernelize(model, mode=Mode.TRAINING, device=DEVICE)
+    assert_kernelized(model, EXPECTED["llama"])
+    model.train()
+    loss = model(**batch).loss
+    loss.backward()
+    assert_probes_accepted(model, layers)
+    assert any(key[1] == torch.bfloat16 for key in layers._NORM_PLANS)
+    assert_close(loss.detach(), exact, dtype=torch.bfloat16)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
