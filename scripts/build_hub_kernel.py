@@ -15,7 +15,9 @@ writes, for each backend, the pure-Triton (noarch) variant ``OUT_DIR/build/torch
 * ``metadata.json``: ``id`` (``_liger_kernel_<source hash>_<backend>``, the ``sys.modules`` key),
   ``name`` ``liger-kernel``, ``version`` (``LAYERS_VERSION`` of the layers, the Hub branch
   ``v<version>``), ``license``, ``python-depends`` (none), ``backend.type`` and the sha256
-  ``digest`` of the variant's files, which ``kernels`` verifies on every local load.
+  ``digest`` of the variant's files, which ``kernels`` verifies on every local load;
+
+and ``OUT_DIR/README.md``, the repository card.
 
 The bundle may import the standard library, torch, triton and itself only; anything else fails
 the build. Backends: ``cuda`` and ``cpu`` by default (on a CPU the kernels run only under
@@ -275,7 +277,19 @@ def build(out_dir: Path, backends: tuple[str, ...] = DEFAULT_BACKENDS) -> list[P
         }
         (variant / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
         variants.append(variant)
+    (out_dir / "README.md").write_text(_repository_card(version))
     return variants
+
+
+def _repository_card(version: int) -> str:
+    """The repository's README (the Hub shows it): what the layers replace and where the docs are."""
+    return (f"---\nlicense: bsd-2-clause\ntags:\n- kernel\n---\n\n# liger-kernel (layers v{version})\n\n"
+            f"liger_kernel {module_constant(PACKAGE, '__version__')}'s Triton kernels as a Hub kernel, built by "
+            "`scripts/build_hub_kernel.py`. Layers: "
+            + ", ".join(f"`{name}`" for name in module_constant(LAYERS_MODULE, "__all__"))
+            + ". `LigerRMSNorm` and `LigerRotaryPosEmb` replace transformers' hub names `RMSNorm` and "
+            "`rotary_pos_emb`; the others replace a class named in a `KernelConfig` through their "
+            "`...Layout`. Usage and caveats: liger_kernel's docs/ecosystem.md.\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,7 @@ def test_writes_noarch_variants_kernels_resolves_and_verifies(repository):
                           DigestVerificationResult.Success)
         assert set(json.loads((variant / "metadata.json").read_text())["digest"]["files"]) == set(python_files(variant))
     assert resolve_local_kernel(repository, backend=None).variant_path.name == SYSTEM_VARIANT
+    assert "license: bsd-2-clause" in (repository / "README.md").read_text()
 
 
 def test_a_changed_file_fails_the_digest(repository, tmp_path):
