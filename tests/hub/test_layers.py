@@ -37,6 +37,7 @@ LAYERS = {
     "RMSNorm": "LigerRMSNorm",
     "rotary_pos_emb": "LigerRotaryPosEmb",
     "LigerSwiGLUMLP": "LigerSwiGLUMLP",
+    "LigerFusedSwiGLUMLP": "LigerFusedSwiGLUMLP",
     "LigerGEGLUMLP": "LigerGEGLUMLP",
     "LigerGemmaRMSNorm": "LigerGemmaRMSNorm",
     "LigerSwiGLUExperts": "LigerSwiGLUExperts",
@@ -48,6 +49,7 @@ LAYOUTS = {
     "qwen3": {"Qwen3MLP": "LigerSwiGLUMLPLayout"},
     "gemma3": {"Gemma3MLP": "LigerGEGLUMLPLayout", "Gemma3RMSNorm": "LigerGemmaRMSNormLayout"},
     "mixtral": {"MixtralExperts": "LigerSwiGLUExpertsLayout"},
+    "phi3": {"Phi3MLP": "LigerFusedSwiGLUMLPLayout"},
 }
 
 # The names each model must run through the build.
@@ -56,6 +58,7 @@ EXPECTED = {
     "qwen3": {"RMSNorm", "rotary_pos_emb", "LigerSwiGLUMLP"},
     "gemma3": {"rotary_pos_emb", "LigerGEGLUMLP", "LigerGemmaRMSNorm"},
     "mixtral": {"RMSNorm", "rotary_pos_emb", "LigerSwiGLUExperts"},
+    "phi3": {"RMSNorm", "LigerFusedSwiGLUMLP"},  # Phi-3's rotary function has no hub name
 }
 
 
@@ -99,7 +102,7 @@ def gemma3_config():
 
 def causal_lm_class(model_type: str) -> type:
     names = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-             "mixtral": "MixtralForCausalLM"}
+             "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM"}
     return getattr(transformers, names[model_type])
 
 
@@ -182,7 +185,7 @@ def assert_probes_accepted(model: nn.Module, layers) -> None:
     assert plans and all(plan is not None for plan in plans.values()), plans
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3", "mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3", "mixtral", "phi3"])
 def test_kernelize_matches_hf(model_type, repository, layers):
     reference = reference_model(model_type)
     model = with_layouts(reference, model_type, layers)
@@ -371,6 +374,8 @@ PUBLISHED = {
         "LigerRotaryPosEmb": ["self", "q", "k", "cos", "sin", "unsqueeze_dim"],
         "LigerSwiGLUMLP": ["self", "x"],
         "LigerSwiGLUMLPLayout": ["self", "x"],
+        "LigerFusedSwiGLUMLP": ["self", "x"],
+        "LigerFusedSwiGLUMLPLayout": ["self", "x"],
         "LigerGEGLUMLP": ["self", "x"],
         "LigerGEGLUMLPLayout": ["self", "x"],
         "LigerGemmaRMSNorm": ["self", "x"],
@@ -402,7 +407,8 @@ def test_kernels_validates_each_layer_against_the_classes_it_replaces(layers):
     pairs += [(layers.LigerRotaryPosEmb, type(module.apply_rotary_pos_emb))
               for module in (modeling_llama, modeling_gemma3, modeling_mixtral)]
     pairs += [(getattr(layers, name), getattr(layers, f"{name}Layout"))
-              for name in ("LigerSwiGLUMLP", "LigerGEGLUMLP", "LigerGemmaRMSNorm", "LigerSwiGLUExperts")]
+              for name in ("LigerSwiGLUMLP", "LigerFusedSwiGLUMLP", "LigerGEGLUMLP", "LigerGemmaRMSNorm",
+                           "LigerSwiGLUExperts")]
     pairs.append((layers.LigerSwiGLUExperts, modeling_mixtral.MixtralExperts))
     for layer, replaced in pairs:
         _validate_layer(check_cls=replaced, cls=layer, repo=f"{layer.__name__} for {replaced.__name__}")
@@ -425,8 +431,9 @@ def test_probe_tolerances_and_activation_names_are_the_patchings():
 
 def test_layouts_refuse_an_activation_the_kernel_does_not_compute(layers):
     config = tiny_config("llama", hidden_act="gelu")
-    with pytest.raises(ValueError, match="hidden_act='gelu'"):
-        layers.LigerSwiGLUMLPLayout(config)
+    for layout in (layers.LigerSwiGLUMLPLayout, layers.LigerFusedSwiGLUMLPLayout, layers.LigerSwiGLUExpertsLayout):
+        with pytest.raises(ValueError, match="hidden_act='gelu'"):
+            layout(tiny_config("mixtral", hidden_act="gelu") if "Experts" in layout.__name__ else config)
     with pytest.raises(ValueError, match="hidden_act='silu'"):
         layers.LigerGEGLUMLPLayout(tiny_config("llama"))
 

@@ -14,6 +14,8 @@ layer                     replaces                                          kern
                           (``forward(q, k, cos, sin, unsqueeze_dim=1)``)
 ``LigerSwiGLUMLP``        ``LigerSwiGLUMLPLayout`` (``{Kernel}Layout``),      ``LigerGatedDownProjFunction``
                           e.g. for ``LlamaMLP`` / ``Qwen3MLP``              (SiLU)
+``LigerFusedSwiGLUMLP``   ``LigerFusedSwiGLUMLPLayout``, e.g. for           the same (one fused
+                          ``Phi3MLP`` (``gate_up_proj``, gate first)         ``gate_up_proj``)
 ``LigerGEGLUMLP``         ``LigerGEGLUMLPLayout``, e.g. for ``Gemma3MLP``     the same, tanh-GELU
 ``LigerGemmaRMSNorm``     ``LigerGemmaRMSNormLayout``, e.g. for             ``LigerRMSNormFunction``
                           ``Gemma3RMSNorm`` (``(1 + w) * x_hat`` in fp32)    (offset 1, "gemma")
@@ -67,6 +69,8 @@ __all__ = [
     "LigerRotaryPosEmb",
     "LigerSwiGLUMLP",
     "LigerSwiGLUMLPLayout",
+    "LigerFusedSwiGLUMLP",
+    "LigerFusedSwiGLUMLPLayout",
     "LigerGEGLUMLP",
     "LigerGEGLUMLPLayout",
     "LigerGemmaRMSNorm",
@@ -315,10 +319,14 @@ def _plain_linear(module: nn.Module) -> bool:
 
 
 def gated_mlp(module: nn.Module, x: torch.Tensor, activation: int) -> torch.Tensor:
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the Liger gated kernel (``activation``:
-    ``ops.swiglu.SILU`` or ``GELU_TANH``), fused with a plain ``nn.Linear`` down projection as
+    """``down_proj(act(gate) * up)`` with the Liger gated kernel (``activation``: ``ops.swiglu.SILU``
+    or ``GELU_TANH``), ``gate, up = gate_proj(x), up_proj(x)`` or ``gate_up_proj(x).chunk(2, -1)``
+    (gate first), fused with a plain ``nn.Linear`` down projection as
     :func:`liger_kernel.transformers.swiglu.gated_down_projection` does."""
-    gate, up = module.gate_proj(x), module.up_proj(x)
+    if "gate_up_proj" in module._modules:
+        gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        gate, up = module.gate_proj(x), module.up_proj(x)
     down = module.down_proj
     if _plain_linear(down) and down.weight.device == gate.device:
         return LigerGatedDownProjFunction.apply(gate, up, down.weight, down.bias, activation, True)
@@ -334,6 +342,10 @@ class LigerSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_mlp(self, x, SILU)
+
+
+class LigerFusedSwiGLUMLP(LigerSwiGLUMLP):
+    """:class:`LigerSwiGLUMLP` under the name whose layout has one fused ``gate_up_proj``."""
 
 
 class LigerGEGLUMLP(nn.Module):
@@ -354,6 +366,14 @@ def config_activation(config) -> tuple[str, object]:
     return "hidden_act", getattr(config, "hidden_act", None)
 
 
+def check_activation(layout: nn.Module, config, accepted: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` unless the config's MLP activation is one the layout's kernel computes."""
+    attribute, activation = config_activation(config)
+    if activation not in accepted:
+        raise ValueError(f"{type(layout).__name__} computes one of {accepted}; "
+                         f"config.{attribute}={activation!r} is not one of them")
+
+
 class _GatedMLPLayout(nn.Module):
     """A gated MLP built like HF's (``cls(config, intermediate_size=None)``): ``config``,
     ``hidden_size``, ``intermediate_size`` and the ``gate_proj``/``up_proj``/``down_proj`` linears
@@ -364,10 +384,7 @@ class _GatedMLPLayout(nn.Module):
 
     def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
-        attribute, activation = config_activation(config)
-        if activation not in self.activations:
-            raise ValueError(f"{type(self).__name__} computes one of {self.activations}; "
-                             f"config.{attribute}={activation!r} is not one of them")
+        check_activation(self, config, self.activations)
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = intermediate_size or config.intermediate_size
@@ -386,6 +403,26 @@ class LigerSwiGLUMLPLayout(_GatedMLPLayout):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LigerFusedSwiGLUMLPLayout(nn.Module):
+    """The module a ``KernelConfig`` puts in place of a SwiGLU MLP with one fused projection
+    (``Phi3MLP``): built like it from ``config``, ``gate_up_proj`` (hidden -> 2 * intermediate, gate
+    first) and ``down_proj``, no biases; torch math until ``kernelize`` binds
+    :class:`LigerFusedSwiGLUMLP` onto it."""
+
+    kernel_layer_name = "LigerFusedSwiGLUMLP"
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        check_activation(self, config, SILU_ACTIVATIONS)
+        self.config = config
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LigerGEGLUMLPLayout(_GatedMLPLayout):
@@ -454,10 +491,7 @@ class LigerSwiGLUExpertsLayout(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        activation = getattr(config, "hidden_act", None)
-        if activation not in SILU_ACTIVATIONS:
-            raise ValueError(f"{type(self).__name__} computes silu(gate) * up; config.hidden_act={activation!r} "
-                             f"is not one of {SILU_ACTIVATIONS}")
+        check_activation(self, config, SILU_ACTIVATIONS)
         self.config = config
         self.num_experts = getattr(config, "num_local_experts", None) or config.num_experts
         self.hidden_dim = config.hidden_size
