@@ -145,3 +145,25 @@ def test_refuses_unknown_backends(tmp_path):
     script = build_script()
     with pytest.raises(script.BuildError, match="backends"):
         script.build(tmp_path, ("tpu",))
+
+
+def test_a_fresh_process_runs_the_build_without_importing_liger_kernel(repository):
+    import os
+    import subprocess
+
+    code = (
+        "import sys\nfrom pathlib import Path\nimport torch, kernels\n"
+        f"kernel = kernels.get_local_kernel(Path({str(repository)!r}))\n"
+        "ops = sys.modules[kernel.__name__ + '.ops.rms_norm']\n"
+        f"x = torch.randn(3, 16, device={DEVICE!r})\n"
+        "y = ops.LigerRMSNormFunction.apply(x, torch.ones(16, device=x.device), 1e-6, 0.0, 'llama', False)\n"
+        "reference = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)\n"
+        "torch.testing.assert_close(y, reference)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'liger_kernel')\n"
+        "assert not loaded, loaded\n"
+    )
+    env = dict(os.environ)
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
