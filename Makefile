@@ -2,7 +2,7 @@
 PY ?= python3
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test demo lint bench gpu-check
+.PHONY: setup test demo lint bench gpu-check hub-kernel
 
 # The trl extra's range (pyproject.toml): later TRL versions no longer call the chunked losses.
 TRL_IN_RANGE = from importlib.metadata import version; from packaging.version import Version as V; \
@@ -11,7 +11,7 @@ TRL_IN_RANGE = from importlib.metadata import version; from packaging.version im
 # Idempotent install: CPU torch 2.13.0 only when no torch is importable (a GPU machine keeps its own).
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	@$(PY) -c "import liger_kernel, transformers, pytest, xdist, hypothesis, matplotlib; $(TRL_IN_RANGE)" \
+	@$(PY) -c "import liger_kernel, transformers, pytest, xdist, hypothesis, matplotlib, kernels; $(TRL_IN_RANGE)" \
 		2>/dev/null || $(PY) -m pip install -q -e ".[dev,transformers,trl]"
 
 test: setup
@@ -29,3 +29,7 @@ bench: setup
 # On a GPU machine: the full suite plus every benchmark, logs and CSVs into OUT_DIR.
 gpu-check:
 	bash scripts/gpu_check.sh $(OUT_DIR)
+
+# The Hub-kernel repository of the layers (kernels 0.19 layout) into OUT_DIR (default build/hub-kernel).
+hub-kernel:
+	$(PY) scripts/build_hub_kernel.py $(or $(OUT_DIR),build/hub-kernel) $(ARGS)

@@ -1,0 +1,27 @@
+"""Building the Hub-kernel repository from this checkout for the tests (scripts/build_hub_kernel.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = ROOT / "scripts" / "build_hub_kernel.py"
+
+
+def build_script():
+    """The build script as a module (scripts/ is not a package)."""
+    name = "build_hub_kernel"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BUILD_SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def build_repository(out_dir: Path) -> Path:
+    """A kernel repository with the cuda and cpu variants, built into ``out_dir``."""
+    build_script().build(out_dir)
+    return out_dir
