@@ -169,3 +169,35 @@ def call_with_full_parameters(module: nn.Module, fn: Callable[..., T], *args: An
             del module.forward
         else:
             module.forward = previous
+
+
+def call_as_wrapped_forward(wrapper: nn.Module, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Return ``fn(*args, **kwargs)`` run as the forward of the module an FSDP (v1) ``wrapper`` holds.
+
+    ``FullyShardedDataParallel`` all-gathers the parameters of the modules it wraps only inside
+    ``wrapper(...)``; calling a part of the wrapped model directly (its decoder without the
+    head, or the head's weight in a fused loss) would see flat shards. For this one call the
+    wrapped module's ``forward`` is ``fn``, so the wrapper's pre- and post-forward run around
+    it with ``args``/``kwargs`` passed through. The wrapped module's own ``forward`` is back in
+    place when ``fn`` starts (``fn`` may call it) and after an exception.
+    """
+    inner = getattr(wrapper, "_fsdp_wrapped_module", None)
+    if not isinstance(inner, nn.Module):
+        raise TypeError(f"{type(wrapper).__name__} is not an FSDP wrapper (it has no '_fsdp_wrapped_module')")
+    previous = inner.__dict__.get("forward", None)
+
+    def restore() -> None:
+        if previous is None:
+            inner.__dict__.pop("forward", None)
+        else:
+            inner.forward = previous
+
+    def as_forward(*call_args: Any, **call_kwargs: Any) -> T:
+        restore()
+        return fn(*call_args, **call_kwargs)
+
+    inner.forward = as_forward
+    try:
+        return wrapper(*args, **kwargs)
+    finally:
+        restore()

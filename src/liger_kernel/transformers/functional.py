@@ -4,8 +4,10 @@ Each function mirrors its PyTorch/HF counterpart; validation happens in the op s
 autograd Functions are equally safe to call directly.
 """
 
+from liger_kernel.ops.loss_options import CrossEntropyOutput
 from liger_kernel.transformers.cross_entropy import liger_cross_entropy
 from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
+from liger_kernel.transformers.fused_linear_jsd import liger_fused_linear_jsd
 from liger_kernel.transformers.geglu import liger_geglu
 from liger_kernel.transformers.jsd import liger_jsd
 from liger_kernel.transformers.kl_div import liger_kl_div
@@ -16,8 +18,10 @@ from liger_kernel.transformers.swiglu import liger_swiglu
 from liger_kernel.transformers.tvd import liger_tvd
 
 __all__ = [
+    "CrossEntropyOutput",
     "liger_cross_entropy",
     "liger_fused_linear_cross_entropy",
+    "liger_fused_linear_jsd",
     "liger_geglu",
     "liger_jsd",
     "liger_kl_div",

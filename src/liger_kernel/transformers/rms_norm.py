@@ -102,3 +102,45 @@ class LigerRMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{tuple(self.weight.shape)}, eps={norm_eps(self)}, offset={getattr(self, 'offset', 0.0)}, "
                 f"casting_mode={getattr(self, 'casting_mode', 'llama')!r}, in_place={getattr(self, 'in_place', True)}")
+
+
+class LigerRMSNormForGemma2(LigerRMSNorm):
+    """``Gemma2RMSNorm``: ``(x * rsqrt(mean(x^2) + eps)) * (1 + w)`` in fp32, weight initialised to
+    zeros, and an out-of-place backward (Gemma 2's post-norms feed a residual add directly,
+    whose branch shares the incoming gradient). The name axolotl imports."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 1.0, casting_mode: str = "gemma",
+                 init_fn: str = "zeros", in_place: bool = False, **factory) -> None:
+        super().__init__(hidden_size, eps, offset, casting_mode, init_fn, in_place, **factory)
+
+
+class LigerRMSNormForGemma4(LigerRMSNorm):
+    """``Gemma4RMSNorm``: ``(x * rsqrt(mean(x^2) + eps)) * w`` in fp32 (no ``1 +`` offset), weight
+    initialised to ones, out-of-place backward. The name axolotl imports.
+
+    ``with_scale=False`` is Gemma 4's scale-free norm (its attention ``v_norm``): no ``weight``
+    parameter (and none in the state dict), ``dim`` may be None, and the kernel runs with a unit
+    scale of the input's width.
+    """
+
+    def __init__(self, dim: int | None, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "gemma",
+                 init_fn: str = "ones", in_place: bool = False, with_scale: bool = True, **factory) -> None:
+        if with_scale and dim is None:
+            raise ValueError("LigerRMSNormForGemma4 needs dim when with_scale=True")
+        super().__init__(dim if with_scale else 0, eps, offset, casting_mode, init_fn, in_place, **factory)
+        self.with_scale = with_scale
+        if not with_scale:
+            del self.weight
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.with_scale:
+            return super().forward(hidden_states)
+        # offset 0 and a unit weight: the fp32 product by 1 is exact, so this is the plain norm.
+        unit = torch.ones(hidden_states.shape[-1], device=hidden_states.device, dtype=torch.float32)
+        return LigerRMSNormFunction.apply(hidden_states, unit, norm_eps(self), self.offset, self.casting_mode,
+                                          self.in_place)
+
+    def extra_repr(self) -> str:
+        if self.with_scale:
+            return super().extra_repr()
+        return f"with_scale=False, eps={norm_eps(self)}, casting_mode={self.casting_mode!r}"

@@ -1,0 +1,1 @@
+"""Compatibility shim: alternative kernel implementations (see :mod:`.registry`)."""

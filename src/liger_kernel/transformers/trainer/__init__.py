@@ -1,0 +1,1 @@
+"""Compatibility shims for import paths callers use (see :mod:`.orpo_trainer`)."""
