@@ -372,10 +372,8 @@ def grpo_reference(logp, mask, advantages, old=None, ref=None, vllm_is_ratio=Non
     metrics = []
     if beta != 0.0:
         metrics.append((per_token_kl * mask).sum() / tokens)
-    if clipped.dim() == 2 and clipped.shape[1] == 1 and mask.shape[1] != 1:  # one ratio a sequence (GSPO)
-        metrics.append(clipped.double().sum() / max(mask.shape[0], 1))
-    else:
-        metrics.append((clipped.expand_as(mask) * mask).sum() / tokens)
+    # token-weighted, a sequence-level (GSPO) ratio counting every token of its sequence
+    metrics.append((clipped.expand_as(mask) * mask).sum() / tokens)
     return loss, tuple(m.detach() for m in metrics)
 
 

@@ -317,3 +317,24 @@ def test_empty_batch(level):
     loss.backward()
     assert float(loss.detach()) == 0.0 and float(kl) == 0.0 and float(clip_ratio) == 0.0
     assert x.grad.shape == x.shape and float(weight.grad.abs().sum()) == 0.0
+
+
+def test_sequence_level_clip_ratio_is_token_weighted():
+    """GSPO (``importance_sampling_level="sequence"``): the clip ratio TRL logs from this loss is the
+    fraction of counted tokens whose sequence's ratio is clipped, as in the best-known library
+    (a clipped completion of 5 tokens weighs 5, not 1): here 5 / 8, where a count of sequences
+    would give 1 / 3."""
+    batch, seq_len, hidden, vocab = 3, 5, 8, 13
+    x = torch.randn(batch, seq_len, hidden, device=DEVICE)
+    weight = torch.randn(vocab, hidden, device=DEVICE) / hidden**0.5
+    ids = torch.randint(0, vocab, (batch, seq_len), device=DEVICE)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], device=DEVICE)
+    adv = torch.tensor([1.0, 1.0, -1.0], device=DEVICE)
+    with torch.no_grad():
+        logp = selected_logprobs(x.double() @ weight.double().t(), ids, 1.0).float()
+    old = logp.clone()
+    old[0] -= 1.0  # ratio e^1 > 1 + eps_high with a positive advantage: clipped; the others have ratio 1
+    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, loss_type="grpo", importance_sampling_level="sequence",
+                                       use_ref_model=False)
+    _, (clip_ratio,) = loss_fn(x, weight, ids, mask, adv, old_per_token_logps=old)
+    torch.testing.assert_close(clip_ratio.double(), torch.tensor(5 / 8, dtype=torch.float64, device=DEVICE))

@@ -279,16 +279,66 @@ def test_kwargs_filtering_drops_and_logs(caplog):
     assert "not_a_model" in caplog.text
 
 
-@pytest.mark.parametrize("entry", ["instance", "class", "unsupported"])
+@pytest.mark.parametrize("entry", ["class", "unsupported"])
 def test_unknown_option_is_a_type_error(entry):
     """A keyword that is no patch option (a typo) raises instead of patching with defaults."""
     with pytest.raises(TypeError, match="rms_nrom"):
-        if entry == "instance":
-            _apply_liger_kernel_to_instance(build_model("llama"), rms_nrom=False)
-        elif entry == "class":
+        if entry == "class":
             _apply_liger_kernel("llama", rms_nrom=False)
         else:
             _apply_liger_kernel("not_a_model", rms_nrom=False)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "olmo2"])
+def test_instance_patch_drops_unknown_keywords_with_a_warning(model_type, caplog):
+    """``_apply_liger_kernel_to_instance`` filters the keywords by the apply function's signature,
+    as upstream Liger does (callers pass one set for every model type), and names what it
+    dropped; the keywords it keeps are honoured. olmo2 is patched by discovery."""
+    from liger_kernel.transformers import liger_patched_modules
+    from tests.transformers.census.tiny_configs import tiny_model
+
+    model = build_model(model_type) if model_type in FAMILIES else tiny_model(model_type)[0]
+    with caplog.at_level(logging.WARNING, logger="liger_kernel"):
+        report = _apply_liger_kernel_to_instance(model, rms_nrom=False, geglu=True, rope=False, rms_norm=False)
+    assert "rms_nrom" in caplog.text and "geglu" in caplog.text
+    assert report is not None and "rms_norm" not in report.patched and "rope" not in report.patched
+    assert "" in liger_patched_modules(model)  # the fused loss, still on by default
+
+
+def _axolotl_activation_kwargs(apply_fn, glu_activation: bool) -> dict:
+    """axolotl 0.19's choice (plugin.py): ``geglu=`` when the signature lists it, else ``swiglu=``."""
+    parameters = inspect.signature(apply_fn).parameters
+    if "geglu" in parameters:
+        return {"geglu": glu_activation}
+    if "swiglu" in parameters:
+        return {"swiglu": glu_activation}
+    return {}
+
+
+@pytest.mark.parametrize("model_type, activation", [
+    ("llama", "swiglu"), ("gemma", "geglu"), ("olmo2", "swiglu"), ("qwen3_moe", "swiglu"), ("gemma3_text", "geglu"),
+])
+def test_apply_functions_list_the_activation_keyword_of_the_model(model_type, activation):
+    """Each apply function takes only the gated-MLP keyword of the activation its model type
+    uses (the table's family, else the default config's ``hidden_act``/``hidden_activation``),
+    so a caller that picks the keyword by signature, like axolotl, switches the right kernel."""
+    parameters = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
+    assert [name for name in ("swiglu", "geglu") if name in parameters] == [activation]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "olmo2"])
+def test_glu_activation_false_by_signature_leaves_the_mlp_alone(model_type):
+    """axolotl's ``liger_glu_activation: false`` on a model type: no MLP (or experts) patched."""
+    from liger_kernel.transformers import liger_patched_modules
+    from tests.transformers.census.tiny_configs import tiny_model
+
+    apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    for glu in (False, True):
+        model = build_model(model_type) if model_type in FAMILIES else tiny_model(model_type)[0]
+        report = apply_fn(model=model, rope=False, **_axolotl_activation_kwargs(apply_fn, glu))
+        mlp_patched = any(name.endswith(".mlp") for name in liger_patched_modules(model))
+        assert mlp_patched == glu, (glu, report.patched)
+        assert "" in liger_patched_modules(model)
 
 
 def test_patch_options_are_one_frozen_validated_object():

@@ -32,8 +32,10 @@ and the loss, with B the batch size and T its padded completion length::
 Metrics, as TRL's GRPOTrainer reads them (``metrics[0]`` the KL when ``beta != 0``,
 ``metrics[-1]`` the clip ratio): ``(mean_kl, clip_ratio)`` or ``(clip_ratio,)``: ``kl`` as it
 enters the loss (times ``r`` with ``use_bias_correction_kl``), a mean over the batch's counted
-tokens, and the fraction of tokens (with ``importance_sampling_level="sequence"``, of the
-batch's sequences, as TRL counts it) whose ratio is clipped in the direction of their advantage
+tokens, and the fraction of the batch's counted tokens whose ratio is clipped in the direction
+of their advantage (with ``importance_sampling_level="sequence"`` a clipped sequence counts all
+its tokens, as in the best-known library, whose value TRL's trainers log as ``clip_ratio``;
+TRL's own loss logs ``clip_ratio/region_mean`` as a fraction of sequences there)
 (``r < 1 - eps_low`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``; for cispo ``r > eps_high`` with ``A > 0``; always 0 for sapo and vespo).
 
 Deviations from TRL / the best-known library, on purpose:
@@ -176,10 +178,8 @@ class LigerFusedLinearGRPOFunction(LigerFusedLinearPPOBase):
         metrics = []
         if kl is not None:
             metrics.append((kl * mask).sum() / n_tokens)
-        if is_clipped.shape[-1] == 1 and mask.shape[-1] != 1:  # one ratio a sequence: TRL counts sequences
-            metrics.append(is_clipped.sum() / n_seqs)
-        else:
-            metrics.append((is_clipped.expand_as(mask) * mask).sum() / n_tokens)
+        # Token-weighted also with one ratio a sequence (GSPO): a clipped sequence counts its tokens.
+        metrics.append((is_clipped.expand_as(mask) * mask).sum() / n_tokens)
         return loss, tuple(metrics)
 
     @classmethod

@@ -19,11 +19,11 @@ from typing import Any
 from torch import nn
 
 from liger_kernel.transformers.causal_lm import fused_loss_forward, liger_causal_lm_loss
-from liger_kernel.transformers.families import FAMILIES, ModelFamily
+from liger_kernel.transformers.families import FAMILIES, GELU_TANH_ACTIVATIONS, SILU_ACTIVATIONS, ModelFamily
 from liger_kernel.transformers.patching import class_level
 from liger_kernel.transformers.patching.generic import patch_discovered
 from liger_kernel.transformers.patching.instance import fused_loss_spec, patch_instance, unwrap_peft
-from liger_kernel.transformers.patching.options import PatchOptions, check_option_names
+from liger_kernel.transformers.patching.options import GATED_OPTIONS, PatchOptions, check_option_names
 from liger_kernel.transformers.patching.replacements import (
     liger_apply_gate,
     liger_experts_forward,
@@ -96,42 +96,60 @@ _APPLY_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms
                      "recompute_norm_outputs", "in_place")
 
 
-def _apply_function(model_type: str, names: tuple[str, ...], on_classes: Callable[[PatchOptions], None],
-                    on_instance: Callable[[nn.Module, PatchOptions], PatchReport]) -> Callable[..., PatchReport | None]:
-    """``apply_liger_kernel_to_<model_type>`` taking the options ``names`` (and ``model``): their
-    values become one :class:`PatchOptions`, given to ``on_instance(model, options)`` or, without
-    a model, to ``on_classes(options)``."""
-    defaults = PatchOptions()
-    parameters = [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                          default=None if name == "model" else getattr(defaults, name),
-                          annotation="PreTrainedModel | None" if name == "model" else "bool")
-        for name in names
-    ]
-    signature = inspect.Signature(parameters, return_annotation="PatchReport | None")
+class _ApplyFunction:
+    """``apply_liger_kernel_to_<model_type>``: takes the options ``names()`` lists (and ``model``);
+    their values become one :class:`PatchOptions`, given to ``on_instance(model, options)`` or,
+    without a model, to ``on_classes(options)``.
 
-    def apply(*args: Any, **kwargs: Any) -> PatchReport | None:
-        bound = signature.bind(*args, **kwargs)
+    A callable object rather than a function so that its signature can be computed on first
+    use (``names`` may read the model type's default config, which is not free for all 300
+    model types at import). With a single gated-MLP keyword in the signature, its value is
+    also the other gated option's: ``swiglu=False`` leaves no gated-MLP kernel.
+    """
+
+    def __init__(self, model_type: str, names: Callable[[], tuple[str, ...]],
+                 on_classes: Callable[[PatchOptions], None],
+                 on_instance: Callable[[nn.Module, PatchOptions], PatchReport]) -> None:
+        self.__name__ = self.__qualname__ = f"apply_liger_kernel_to_{model_type.replace('-', '_')}"
+        self.__module__ = "liger_kernel.transformers.monkey_patch"
+        self._names = names
+        self._on_classes = on_classes
+        self._on_instance = on_instance
+
+    @functools.cached_property
+    def __signature__(self) -> inspect.Signature:
+        defaults = PatchOptions()
+        parameters = [
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                              default=None if name == "model" else getattr(defaults, name),
+                              annotation="PreTrainedModel | None" if name == "model" else "bool")
+            for name in self._names()
+        ]
+        return inspect.Signature(parameters, return_annotation="PatchReport | None")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PatchReport | None:
+        bound = self.__signature__.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         model = arguments.pop("model")
+        gated = [name for name in GATED_OPTIONS if name in arguments]
+        if len(gated) == 1:
+            arguments.update(dict.fromkeys(GATED_OPTIONS, arguments[gated[0]]))
         options = PatchOptions(**arguments)
         if model is None:
-            on_classes(options)
+            self._on_classes(options)
             return None
-        return on_instance(model, options)
+        return self._on_instance(model, options)
 
-    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{model_type.replace('-', '_')}"
-    apply.__module__ = "liger_kernel.transformers.monkey_patch"
-    apply.__signature__ = signature
-    return apply
+    def __repr__(self) -> str:
+        return f"<function {self.__module__}.{self.__name__}>"
 
 
 def _make_apply_fn(family: ModelFamily) -> Callable[..., PatchReport | None]:
     option = family.mlp.option
     names = tuple(name.format(gated=option) for name in _APPLY_PARAMETERS)
-    apply = _apply_function(family.model_type, names, functools.partial(patch_classes, family),
-                            functools.partial(patch_instance, family))
+    apply = _ApplyFunction(family.model_type, lambda: names, functools.partial(patch_classes, family),
+                           functools.partial(patch_instance, family))
     apply.__doc__ = f"""Patch {family.model_type} models ({family.causal_lm_class}) with Liger kernels.
 
     Args:
@@ -216,20 +234,67 @@ def patch_discovered_classes(model_type: str, options: PatchOptions) -> None:
             class_level.original(model_type, cls, "from_pretrained"), options))
 
 
-_DISCOVERED_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "layer_norm", "swiglu",
-                          "geglu", "model", "recompute_norm_outputs", "in_place")
+_DISCOVERED_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "layer_norm", "{gated}",
+                          "model", "recompute_norm_outputs", "in_place")
+
+
+def default_activation(model_type: str) -> str | None:
+    """The MLP activation (``hidden_act``, else ``hidden_activation``) of ``model_type``'s default
+    config, or of its text config for a vision-language model; None when it has none or the
+    config cannot be built without arguments."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # default configs warn about their own placeholder ids
+    try:
+        config = CONFIG_MAPPING[model_type]()
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except Exception:  # noqa: BLE001 - any failure means: unknown
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    for attr in ("hidden_act", "hidden_activation"):
+        value = getattr(config, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def gated_options_for(activation: str | None) -> tuple[str, ...]:
+    """The gated-MLP keywords of an apply function for a model whose MLP uses ``activation``:
+    the one kernel that reproduces it, none when neither does, both when it is unknown."""
+    if activation is None:
+        return GATED_OPTIONS
+    if activation in SILU_ACTIVATIONS:
+        return ("swiglu",)
+    if activation in GELU_TANH_ACTIVATIONS:
+        return ("geglu",)
+    return ()
+
+
+def _discovered_parameters(model_type: str) -> tuple[str, ...]:
+    gated = gated_options_for(default_activation(model_type))
+    names = []
+    for name in _DISCOVERED_PARAMETERS:
+        names.extend(gated if name == "{gated}" else (name,))
+    return tuple(names)
 
 
 def _make_discovered_apply_fn(model_type: str) -> Callable[..., PatchReport | None]:
-    apply = _apply_function(model_type, _DISCOVERED_PARAMETERS, functools.partial(patch_discovered_classes, model_type),
-                            lambda model, options: patch_discovered(unwrap_peft(model), options))
+    apply = _ApplyFunction(model_type, functools.partial(_discovered_parameters, model_type),
+                           functools.partial(patch_discovered_classes, model_type),
+                           lambda model, options: patch_discovered(unwrap_peft(model), options))
     apply.__doc__ = f"""Patch {model_type} models with every Liger kernel discovery proves equal.
 
     The modules of the model (norms, gated MLPs and experts, the rotary function its attention
     calls, the head and loss) are found by structure and each is checked against its Liger
     replacement on a small probe before it is swapped; what fails stays Hugging Face's and the
     returned :class:`PatchReport` says why (see :mod:`liger_kernel.transformers.patching.discovery`).
-    Options are those of :class:`~liger_kernel.transformers.patching.options.PatchOptions`.
+    Options are those of :class:`~liger_kernel.transformers.patching.options.PatchOptions`; of the
+    gated-MLP keywords only the one whose kernel reproduces the activation of the model type's
+    default config is taken (``swiglu`` for SiLU, ``geglu`` for tanh-GELU, neither for another
+    activation, both when the config does not say), and it switches every gated-MLP kernel.
     ``model=None`` patches every {model_type} model built afterwards (undone by
     ``revert_liger_kernel({model_type!r})``).
     """
@@ -260,23 +325,29 @@ def _callable_name(fn: Any) -> str:
     return name if isinstance(name, str) else repr(fn)
 
 
-def _accepted_kwargs(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` restricted to the options ``fn`` takes; the rest dropped with a warning.
+def _accepted_kwargs(fn: Callable, kwargs: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+    """``kwargs`` restricted to the options ``fn`` takes; the rest dropped with a warning naming them.
 
-    Raises ``TypeError`` for a keyword that is no patch option at all. A callable whose
-    signature cannot be read, or that takes ``**kwargs``, gets everything.
+    ``strict``: a keyword that is no patch option at all raises ``TypeError`` (else it is
+    dropped like the others). A callable whose signature cannot be read, or that takes
+    ``**kwargs``, gets everything.
     """
-    check_option_names(kwargs)
+    if strict:
+        check_option_names(kwargs)
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return dict(kwargs)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return dict(kwargs)
-    dropped = sorted(set(kwargs) - set(parameters))
+    return _dropping(kwargs, set(parameters), _callable_name(fn))
+
+
+def _dropping(kwargs: dict[str, Any], accepted: set[str], taker: str) -> dict[str, Any]:
+    dropped = sorted(set(kwargs) - accepted)
     if dropped:
-        logger.warning("%s does not take %s; ignoring them.", _callable_name(fn), ", ".join(dropped))
-    return {name: value for name, value in kwargs.items() if name in parameters}
+        logger.warning("%s does not take %s; ignoring them.", taker, ", ".join(dropped))
+    return {name: value for name, value in kwargs.items() if name in accepted}
 
 
 def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
@@ -299,8 +370,10 @@ def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
 def _apply_liger_kernel_to_instance(model: nn.Module, **kwargs: Any) -> PatchReport | None:
     """Patch ``model`` (a ``PreTrainedModel`` or a PEFT wrapper of one) in place for its own model type.
 
-    Returns what the model type's apply function returns (a :class:`PatchReport` for the
-    generated ones), None when the model type has none.
+    Keywords the model type's apply function does not take are dropped with a warning that
+    names them, as upstream Liger does (callers such as the HF Trainer and verl pass one set
+    of options, e.g. ``swiglu=True``, for every model type). Returns what the apply function
+    returns (a :class:`PatchReport` for the generated ones).
     """
     model = unwrap_peft(model)
     kwargs.pop("model", None)
@@ -311,8 +384,9 @@ def _apply_liger_kernel_to_instance(model: nn.Module, **kwargs: Any) -> PatchRep
                             and not _is_family_model(model, family)):
         # A model type transformers does not list, or a table model type whose config builds
         # another family's classes: discovery decides from the modules themselves.
-        return patch_discovered(model, PatchOptions.from_kwargs(**kwargs))
-    return apply_fn(model=model, **_accepted_kwargs(apply_fn, kwargs))
+        options = _dropping(kwargs, set(PatchOptions.names()), "the Liger patch")
+        return patch_discovered(model, PatchOptions.from_kwargs(**options))
+    return apply_fn(model=model, **_accepted_kwargs(apply_fn, kwargs, strict=False))
 
 
 def _is_family_model(model: nn.Module, family: ModelFamily) -> bool:
