@@ -22,7 +22,12 @@ from typing import Union
 import torch
 
 from liger_kernel.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
-from liger_kernel.ops.loss_options import CrossEntropyOptions, CrossEntropyOutput, mean_denominators, reduce_rows
+from liger_kernel.ops.loss_options import (
+    CrossEntropyOptions,
+    CrossEntropyOutput,
+    mean_denominators,
+    reduce_rows,
+)
 from liger_kernel.transformers.cross_entropy import CrossEntropyLossBase
 
 __all__ = ["LigerFusedLinearCrossEntropyLoss", "liger_fused_linear_cross_entropy"]
