@@ -14,7 +14,12 @@ from tests.utils import DEVICE
 
 
 def test_ops_launch_helpers():
-    from liger_kernel.ops.utils import calculate_settings, compare_version, ensure_contiguous, torch_to_triton_dtype
+    from liger_kernel.ops.utils import (
+        calculate_settings,
+        compare_version,
+        ensure_contiguous,
+        torch_to_triton_dtype,
+    )
 
     for n in (1, 7, 4096, 4097, 65536):
         block, warps = calculate_settings(n)
