@@ -226,7 +226,9 @@ def test_grpo_trainer(tmp_path, _fresh_seed, loss_type, level, clip_key):
     """One generation of 4 samples of 5 tokens, trained on twice (``num_iterations=2``): the first step
     is on-policy (ratio 1), the second has old log-probs, so the ratio is clipped; ``beta=0.1`` loads a
     reference (from the saved model: TRL builds it from the model's path) for the KL term. The rewards
-    must agree too: they show both runs sampled the same completions."""
+    must agree too: they show both runs sampled the same completions. With sequence-level ratios TRL's
+    own ``clip_ratio/region_mean`` counts clipped sequences where the fused loss (as the best-known
+    library's) counts their tokens; completions of equal length make the two the same number."""
     _trainer_module_calls("trainer.grpo_trainer", LigerFusedLinearGRPOLoss)
     tok, data = _tokenizer(), Dataset.from_dict({"prompt": _PROMPTS})
     path = tmp_path / "model"
