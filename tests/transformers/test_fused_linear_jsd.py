@@ -44,3 +44,12 @@ def test_bad_arguments_raise():
         LigerFusedLinearJSD(jsd_beta=-0.1)
     with pytest.raises(ValueError, match="temperature"):
         LigerFusedLinearJSD(temperature=0)
+
+
+def test_functional_module_exports_it():
+    """``liger_kernel.transformers.functional.liger_fused_linear_jsd``, upstream Liger's functional name."""
+    from liger_kernel.transformers import functional
+    from liger_kernel.transformers.fused_linear_jsd import liger_fused_linear_jsd
+
+    assert functional.liger_fused_linear_jsd is liger_fused_linear_jsd
+    assert "liger_fused_linear_jsd" in functional.__all__
