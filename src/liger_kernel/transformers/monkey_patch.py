@@ -3,8 +3,9 @@
 ``apply_liger_kernel_to_<model_type>(rope=True, cross_entropy=False, fused_linear_cross_entropy=True,
 rms_norm=True, swiglu=True, model=None, recompute_norm_outputs=True, in_place=True)``
 (``geglu=True`` instead of ``swiglu`` for Gemma families) exists for every entry of
-:data:`liger_kernel.transformers.families.FAMILIES`, and, with ``layer_norm``, ``swiglu`` and
-``geglu`` all taken, for every other model type the installed transformers lists for causal
+:data:`liger_kernel.transformers.families.FAMILIES`, and, with ``layer_norm`` and the gated-MLP
+keyword of the default config's activation (``swiglu`` or ``geglu``; both when it is unknown),
+for every other model type the installed transformers lists for causal
 LM or image-text-to-text: those are patched by discovery
 (:mod:`~liger_kernel.transformers.patching.discovery`: each module swapped only once a probe
 proved it equal). All of them are generated from data and run the same code:
