@@ -326,6 +326,15 @@ def test_apply_functions_list_the_activation_keyword_of_the_model(model_type, ac
     assert [name for name in ("swiglu", "geglu") if name in parameters] == [activation]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "olmo2"])
+def test_apply_functions_pickle_and_copy_by_name(model_type):
+    import pickle
+
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    assert pickle.loads(pickle.dumps(fn)) is fn and copy.deepcopy(fn) is fn
+    assert fn.__name__ == f"apply_liger_kernel_to_{model_type}" and fn.__doc__
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma", "olmo2"])
 def test_glu_activation_false_by_signature_leaves_the_mlp_alone(model_type):
     """axolotl's ``liger_glu_activation: false`` on a model type: no MLP (or experts) patched."""

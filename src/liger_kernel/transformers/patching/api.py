@@ -144,6 +144,10 @@ class _ApplyFunction:
     def __repr__(self) -> str:
         return f"<function {self.__module__}.{self.__name__}>"
 
+    def __reduce__(self) -> str:
+        # Pickled (and deep-copied) by name, as a module-level function is.
+        return self.__name__
+
 
 def _make_apply_fn(family: ModelFamily) -> Callable[..., PatchReport | None]:
     option = family.mlp.option
