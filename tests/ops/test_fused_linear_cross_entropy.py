@@ -376,11 +376,12 @@ def test_empty_batch():
 
 def test_chunk_rows_for_budget():
     config = HeadChunkConfig.heuristic()
-    assert (config.budget_fraction, config.min_budget_bytes) == (0.5, 128 * 2**20)
-    # The target shape: half of its 1066 MiB gradients, balanced into four 2048-row chunks.
+    assert (config.budget_fraction, config.min_budget_bytes) == (0.75, 128 * 2**20)
+    # The target shape: 3/4 of its 1066 MiB gradients hold 3197 rows; three balanced chunks of
+    # 2731 rows, rounded up to 2752.
     floor = 128256 * 4096 * 2 + 8192 * 4096 * 2
     rows = chunk_rows_for(8192, 128256, 2, floor)
-    assert rows == 2048 and rows * 128256 * 2 <= 0.5 * floor
+    assert rows == 2752 and rows * 128256 * 2 <= 0.75 * floor
     # No gradients: the 128 MiB minimum (523 rows), balanced over the 16 chunks it takes.
     assert chunk_rows_for(8192, 128256, 2) == 512
     assert chunk_rows_for(10, 128256, 2) == 10

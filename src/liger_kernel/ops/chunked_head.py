@@ -94,8 +94,10 @@ from liger_kernel.ops.checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, c
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.head_chunking import (
     accumulate_grad_weight,
-    chunk_rows_for,
+    balanced_ranges,
+    budget_rows,
     gemm_reduction_precision,
+    grad_input_rows,
     gradient_bytes,
 )
 from liger_kernel.ops.head_epilogue import LogitRowStatistics
@@ -112,13 +114,14 @@ AUTOGRAD_BYTES_PER_LOGIT = 12
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedHeadConfig(LaunchConfig):
-    """Rows of logits per chunk (a chunk in one-pass mode holds as many whole groups as fit)."""
+    """The most rows of logits a chunk holds (:func:`chunk_plan` balances the chunks under it;
+    in one-pass mode a chunk holds whole groups)."""
 
     chunk_rows: int
 
     @classmethod
     def heuristic(cls, n_rows: int, n_cols: int, floor_bytes: int, bytes_per_logit: int = 4) -> ChunkedHeadConfig:
-        return cls(chunk_rows=chunk_rows_for(max(1, n_rows), n_cols, bytes_per_logit, floor_bytes))
+        return cls(chunk_rows=min(max(1, n_rows), budget_rows(n_cols, bytes_per_logit, floor_bytes)))
 
 
 def target_log_probs(ignore_index: int, temperature: float = 1.0, log_sum_sq_probs: bool = False) -> LogitRowStatistics:
@@ -224,8 +227,8 @@ class ChunkPlan:
 def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_rows: int) -> ChunkPlan:
     """The chunks of a (B=n_groups, T=seq_len) batch for ``chunk_rows`` rows of logits per chunk.
 
-    One pass when the loss is additive and a unit (a group, or a pair of groups) fits: each
-    chunk holds as many whole units as fit. Otherwise two passes over plain row ranges.
+    One pass when the loss is additive and a unit (a group, or a pair of groups) fits: the
+    fewest chunks of whole units that fit, balanced. Otherwise two passes over balanced row ranges.
     """
     n_rows = n_groups * seq_len
     unit_rows = seq_len * (2 if paired else 1)
@@ -234,15 +237,12 @@ def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_
     if additive and unit_rows <= chunk_rows:
         half = n_groups // 2
         n_units = half if paired else n_groups
-        step = max(1, chunk_rows // unit_rows)
         groups = []
-        for start in range(0, n_units, step):
-            stop = min(start + step, n_units)
+        for start, stop in balanced_ranges(n_units, chunk_rows // unit_rows):
             groups.append(((start, stop), (half + start, half + stop)) if paired else ((start, stop),))
         rows = tuple(tuple((a * seq_len, b * seq_len) for a, b in g) for g in groups)
         return ChunkPlan(True, rows, tuple(groups))
-    rows = tuple(((a, min(a + chunk_rows, n_rows)),) for a in range(0, n_rows, chunk_rows))
-    return ChunkPlan(False, rows, ())
+    return ChunkPlan(False, tuple((r,) for r in balanced_ranges(n_rows, chunk_rows)), ())
 
 
 def _as_float64(q: torch.Tensor | None) -> torch.Tensor | None:
@@ -272,9 +272,13 @@ class _GradAccumulator:
         self.weight = weight
         self.grad_x = torch.empty_like(x) if need_x else None
         self.grad_w = None
+        # The first chunk writes dW outright (no zero fill, no read) where the dtypes allow.
+        self.grad_w_unwritten = False
         if need_w:
             accum_dtype = torch.float32 if accum_fp32 else weight.dtype
-            self.grad_w = torch.zeros(weight.shape, device=weight.device, dtype=accum_dtype)
+            self.grad_w_unwritten = accum_dtype == weight.dtype
+            allocate = torch.empty if self.grad_w_unwritten else torch.zeros
+            self.grad_w = allocate(weight.shape, device=weight.device, dtype=accum_dtype)
         self.grad_b = torch.zeros(weight.shape[0], device=x.device, dtype=torch.float32) \
             if (need_b and bias is not None) else None
 
@@ -287,12 +291,15 @@ class _GradAccumulator:
         g = grad_logits.to(self.x_dtype)
         del grad_logits
         if self.grad_x is not None:
-            write_x(torch.matmul(g, self.weight))
+            write_x(grad_input_rows(g, self.weight))
         if self.grad_w is not None:
-            accumulate_grad_weight(self.grad_w, g, x_rows, first=False)
+            accumulate_grad_weight(self.grad_w, g, x_rows, first=self.grad_w_unwritten)
+            self.grad_w_unwritten = False
 
     def result(self, bias) -> HeadGrads:
         grad_w = self.grad_w
+        if grad_w is not None and self.grad_w_unwritten:  # no rows
+            grad_w.zero_()
         if grad_w is not None and grad_w.dtype != self.weight.dtype:
             grad_w = grad_w.to(self.weight.dtype)
         grad_b = self.grad_b.to(bias.dtype) if self.grad_b is not None else None

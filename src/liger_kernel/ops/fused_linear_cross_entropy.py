@@ -43,6 +43,7 @@ from liger_kernel.ops.head_chunking import (
     accumulate_grad_weight,
     chunk_rows_for,
     gemm_reduction_precision,
+    grad_input_rows,
     gradient_bytes,
 )
 from liger_kernel.ops.launch import liger_custom_op
@@ -124,7 +125,7 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, target: torch
                     compute_accuracy,
                 )
                 if grad_input_needed:
-                    torch.matmul(logits, weight, out=grad_input[start:stop])
+                    grad_input_rows(logits, weight, out=grad_input[start:stop])
                 if grad_weight_needed:
                     accumulate_grad_weight(grad_weight, logits, x_chunk, first=start == 0)
                 if grad_bias_needed:

@@ -42,6 +42,7 @@ from liger_kernel.ops.chunked_head import (
     HeadGrads,
     _logits,
     check_head_args,
+    chunk_plan,
     chunked_head_loss_and_grads,
 )
 from liger_kernel.ops.config import launch_config
@@ -80,7 +81,7 @@ def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = 
     rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes, x.element_size()).chunk_rows
     if rows < 1:
         raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {rows}")
-    return [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
+    return [r for (r,) in chunk_plan(n_rows, 1, False, True, rows).row_ranges]
 
 
 def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_index, needs=(True, True)):

@@ -36,14 +36,14 @@ class HeadChunkConfig(FixedLaunchConfig):
     ``budget_fraction`` of the call's gradient bytes (dX + dW), but at least
     ``min_budget_bytes``, is the budget of one (C, V) logits chunk; ``budget_bytes``, when set,
     replaces both (the caller's memory budget). At the N = 8192, D = 4096, V = 128256 bf16
-    target shape the gradients take 1066 MiB, half of it is a 2048-row chunk: four chunks, so
-    dW is re-read and re-written three times instead of twenty (``docs/performance.md``), at a
-    peak of 1.5x the gradients' bytes. ``row_multiple`` rounds the rows of chunks that large;
+    target shape the gradients take 1066 MiB; three quarters of it hold 3197 rows, so three
+    balanced chunks of 2752: dW is re-read and re-written twice instead of twenty times
+    (``docs/performance.md``), at a peak of 1.66x the gradients' bytes. ``row_multiple`` rounds the rows of chunks that large;
     ``max_chunk_rows`` caps them (None: no cap), e.g. to cross many chunk boundaries on small
     test shapes.
     """
 
-    budget_fraction: float = 0.5
+    budget_fraction: float = 0.75
     min_budget_bytes: int = 128 * 2**20
     budget_bytes: int | None = None
     row_multiple: int = 64
@@ -55,11 +55,9 @@ class HeadChunkConfig(FixedLaunchConfig):
             yield cls(budget_fraction=fraction)
 
 
-def chunk_rows_for(n_rows: int, n_cols: int, element_size: int, floor_bytes: int = 0) -> int:
-    """Rows per chunk of an (n_rows, n_cols) logits computation of ``element_size``-byte
-    elements, for a call whose gradients take ``floor_bytes``: the most rows the budget of
-    :class:`HeadChunkConfig` holds, balanced over the chunks that takes, at least 1 and at most
-    ``n_rows``."""
+def budget_rows(n_cols: int, element_size: int, floor_bytes: int = 0) -> int:
+    """The most rows of ``n_cols`` ``element_size``-byte logits one chunk may hold, for a call
+    whose gradients take ``floor_bytes`` (the budget of :class:`HeadChunkConfig`), at least 1."""
     config = launch_config(HeadChunkConfig)
     if config.budget_bytes is not None:
         budget = config.budget_bytes
@@ -68,12 +66,36 @@ def chunk_rows_for(n_rows: int, n_cols: int, element_size: int, floor_bytes: int
     most = max(1, budget // max(1, n_cols * element_size))
     if config.max_chunk_rows is not None:
         most = max(1, min(most, config.max_chunk_rows))
+    return most
+
+
+def balanced_ranges(n_items: int, most: int) -> list[tuple[int, int]]:
+    """``[0, n_items)`` cut into the fewest ranges of at most ``most`` items, of equal sizes
+    (the first ones one longer where it does not divide)."""
+    if n_items <= 0:
+        return []
+    n_ranges = -(-n_items // max(1, most))
+    base, extra = divmod(n_items, n_ranges)
+    ranges, start = [], 0
+    for i in range(n_ranges):
+        stop = start + base + (i < extra)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def chunk_rows_for(n_rows: int, n_cols: int, element_size: int, floor_bytes: int = 0) -> int:
+    """Rows per chunk of an (n_rows, n_cols) logits computation of ``element_size``-byte
+    elements, for a call whose gradients take ``floor_bytes``: the most rows the budget of
+    :class:`HeadChunkConfig` holds, balanced over the chunks that takes and rounded up to a
+    multiple of ``row_multiple`` where the budget allows, at least 1 and at most ``n_rows``."""
+    most = budget_rows(n_cols, element_size, floor_bytes)
     n_rows = max(1, n_rows)
     if most >= n_rows:
         return n_rows
     n_chunks = -(-n_rows // most)
     rows = -(-n_rows // n_chunks)
-    multiple = config.row_multiple
+    multiple = launch_config(HeadChunkConfig).row_multiple
     if rows >= multiple:
         rounded_up = -(-rows // multiple) * multiple
         rows = rounded_up if rounded_up <= most else rows
@@ -102,6 +124,33 @@ def gemm_reduction_precision():
         yield
     finally:
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+# Longest reduction one float32 GEMM call accumulates (see :func:`grad_input_rows`).
+FP32_REDUCTION_SLICE = 8192
+
+
+def grad_input_rows(grad_chunk: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``grad_chunk @ weight`` ((C, V) x (V, D), the dX rows of a chunk), into ``out`` if given.
+
+    The reduction runs over the whole vocabulary. A GEMM accumulates it along K in one fp32
+    chain per output tile unless cuBLAS splits K, which it does only where the output has few
+    tiles (small chunks): with large chunks the chain is V long, and its rounding error (about
+    sqrt(V) ulps of the target row of W, which dominates the running sum) exceeds float32's
+    usual accuracy. For float32 operands the reduction is therefore split into slices of at most
+    ``FP32_REDUCTION_SLICE`` whose products are summed, so the error no longer depends on the
+    chunk size. Low-precision operands need no split: their fp32 accumulation is far more
+    accurate than the bf16/fp16 result.
+    """
+    n_cols = weight.shape[0]
+    if grad_chunk.dtype != torch.float32 or n_cols <= FP32_REDUCTION_SLICE:
+        return torch.matmul(grad_chunk, weight, out=out)
+    n_slices = -(-n_cols // FP32_REDUCTION_SLICE)
+    step = -(-n_cols // n_slices)
+    out = torch.matmul(grad_chunk[:, :step], weight[:step], out=out)
+    for start in range(step, n_cols, step):
+        out.addmm_(grad_chunk[:, start:start + step], weight[start:start + step])
+    return out
 
 
 @functools.cache

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
-from liger_kernel.ops.launch import is_interpreter, launch_kernel
+from liger_kernel.ops.launch import is_interpreter, launch_kernel, multiprocessor_count
 from liger_kernel.ops.numerics import round_to_dtype, tanh_and_sech2
 
 # Columns of the statistics buffer (R, STAT_COLUMNS) float32 and of the coefficient buffer
@@ -68,10 +68,12 @@ K_C_ENTROPY, K_C_RAW_SUM, K_COEFFICIENT_COLUMNS = tl.constexpr(C_ENTROPY), tl.co
 
 @dataclasses.dataclass(frozen=True)
 class HeadEpilogueConfig(FixedLaunchConfig):
-    """Column tiles and warps of the two epilogue kernels."""
+    """Column tiles and warps of the two epilogue kernels; the statistics kernel splits rows
+    into column ranges until about ``statistics_programs_per_sm`` programs per SM run."""
 
     statistics_block: int = 4096
     statistics_warps: int = 8
+    statistics_programs_per_sm: int = 32
     gradient_block: int = 2048
     gradient_warps: int = 8
 
@@ -99,29 +101,44 @@ def _transformed(z, scale, softcap, inv_temperature, SCALED: tl.constexpr, SOFTC
     return z * inv_temperature, slope
 
 
+# Per (row, column split) partial statistics of the split's columns, combined by
+# :func:`_combine_partials`: running max, sum of e = exp(s - max), sum of e (s - max), sum of
+# e^2, raw and transformed sums, max of s before the first label.
+P_MAX, P_EXP_SUM, P_SHIFTED_SUM, P_SQUARE_SUM, P_RAW_SUM, P_TRANSFORMED_SUM, P_MAX_BEFORE = range(7)
+PARTIAL_COLUMNS = 7
+K_PARTIAL_COLUMNS = tl.constexpr(PARTIAL_COLUMNS)
+# A finite start for the running max: an empty split's shift is then 0 * finite, never nan.
+LOWEST_MAX = -3.0e38
+K_LOWEST_MAX = tl.constexpr(LOWEST_MAX)
+
+
 @triton.jit
-def _row_statistics_kernel(z_ptr, z_stride, labels_ptr, labels_stride, stats_ptr, n_cols, scale, softcap,
-                           inv_temperature, N_LABELS: tl.constexpr, SCALED: tl.constexpr,
+def _row_statistics_kernel(z_ptr, z_stride, labels_ptr, labels_stride, stats_ptr, partial_ptr, n_cols, span,
+                           scale, softcap, inv_temperature, N_LABELS: tl.constexpr, SCALED: tl.constexpr,
                            SOFTCAPPED: tl.constexpr, ENTROPY: tl.constexpr, SUM_SQ: tl.constexpr,
                            RAW_SUM: tl.constexpr, TRANSFORMED_SUM: tl.constexpr, TOP1: tl.constexpr,
                            BLOCK: tl.constexpr):
+    """Program (row, split): one online pass over the split's ``span`` columns."""
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
     row_ptr = z_ptr + row * z_stride
     first_label = 0
     if N_LABELS > 0:
         first_label = tl.load(labels_ptr + row * labels_stride)
     zero = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
-    # A finite start: the first block's shift of the (empty) running sums is then 0 * finite.
-    running_max = zero - 3.0e38
+    running_max = zero + K_LOWEST_MAX
     exp_sum = zero
     shifted_sum = zero  # sum_v e_v (s_v - running_max)
     square_sum = zero
     raw_sum = zero
     transformed_sum = zero
     max_before = zero - float("inf")
-    for start in range(0, n_cols, BLOCK):
+    col_start = split * span
+    col_stop = tl.minimum(col_start + span, n_cols)
+    for start in range(col_start, col_stop, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
+        mask = cols < col_stop
         z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if RAW_SUM:
             raw_sum += tl.sum(z, axis=0)
@@ -138,33 +155,54 @@ def _row_statistics_kernel(z_ptr, z_stride, labels_ptr, labels_stride, stats_ptr
             # The running sum shifted to the new max; masked or -inf entries (e = 0, and a finite
             # floor on s - max so that 0 * -inf does not make a nan) add nothing.
             shifted_sum = rescale * (shifted_sum + (running_max - new_max) * exp_sum) \
-                + tl.sum(e * tl.maximum(s - new_max, -3.0e38), axis=0)
+                + tl.sum(e * tl.maximum(s - new_max, K_LOWEST_MAX), axis=0)
         if SUM_SQ:
             square_sum = square_sum * rescale * rescale + tl.sum(e * e, axis=0)
         exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
         running_max = new_max
-    out = stats_ptr + row * K_STAT_COLUMNS
-    log_exp_sum = tl.log(exp_sum)
-    tl.store(out + K_LSE, running_max + log_exp_sum)
-    if ENTROPY:
-        tl.store(out + K_ENTROPY, log_exp_sum - shifted_sum / exp_sum)
-    if SUM_SQ:
-        tl.store(out + K_LOG_SUM_SQ, tl.log(square_sum) - 2.0 * log_exp_sum)
-    if RAW_SUM:
-        tl.store(out + K_RAW_SUM, raw_sum)
-    if TRANSFORMED_SUM:
-        tl.store(out + K_TRANSFORMED_SUM, transformed_sum)
-    if TOP1:
-        tl.store(out + K_MAX_BEFORE_LABEL, max_before)
-        tl.store(out + K_ROW_MAX, running_max)
-    if N_LABELS > 0:
-        z_label = tl.load(row_ptr + first_label).to(tl.float32)
-        s_label, _ = _transformed(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
-        tl.store(out + K_LABEL_0, s_label)
-    if N_LABELS > 1:
-        z_label = tl.load(row_ptr + tl.load(labels_ptr + row * labels_stride + 1)).to(tl.float32)
-        s_label, _ = _transformed(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
-        tl.store(out + K_LABEL_1, s_label)
+    partial = partial_ptr + (row * n_splits + split) * K_PARTIAL_COLUMNS
+    tl.store(partial + 0, running_max)
+    tl.store(partial + 1, exp_sum)
+    tl.store(partial + 2, shifted_sum)
+    tl.store(partial + 3, square_sum)
+    tl.store(partial + 4, raw_sum)
+    tl.store(partial + 5, transformed_sum)
+    tl.store(partial + 6, max_before)
+    if split == 0:
+        out = stats_ptr + row * K_STAT_COLUMNS
+        if N_LABELS > 0:
+            z_label = tl.load(row_ptr + first_label).to(tl.float32)
+            s_label, _ = _transformed(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
+            tl.store(out + K_LABEL_0, s_label)
+        if N_LABELS > 1:
+            z_label = tl.load(row_ptr + tl.load(labels_ptr + row * labels_stride + 1)).to(tl.float32)
+            s_label, _ = _transformed(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
+            tl.store(out + K_LABEL_1, s_label)
+
+
+def _combine_partials(partials: torch.Tensor, stats: torch.Tensor, entropy: bool, sum_sq: bool, raw_sum: bool,
+                      transformed_sum: bool, top1: bool) -> None:
+    """Fold the (R, S, 7) per-split partials into the statistics columns (float32, in place)."""
+    split_max = partials[..., P_MAX]
+    row_max = split_max.amax(1)
+    shift = split_max - row_max.unsqueeze(1)  # <= 0; LOWEST_MAX - max for an empty split
+    weight = shift.exp()
+    exp_sums = partials[..., P_EXP_SUM]
+    exp_sum = (exp_sums * weight).sum(1)
+    log_exp_sum = exp_sum.log()
+    stats[:, LSE] = row_max + log_exp_sum
+    if entropy:
+        shifted = ((partials[..., P_SHIFTED_SUM] + shift * exp_sums) * weight).sum(1)
+        stats[:, ENTROPY] = log_exp_sum - shifted / exp_sum
+    if sum_sq:
+        stats[:, LOG_SUM_SQ] = (partials[..., P_SQUARE_SUM] * weight * weight).sum(1).log() - 2 * log_exp_sum
+    if raw_sum:
+        stats[:, RAW_SUM] = partials[..., P_RAW_SUM].sum(1)
+    if transformed_sum:
+        stats[:, TRANSFORMED_SUM] = partials[..., P_TRANSFORMED_SUM].sum(1)
+    if top1:
+        stats[:, MAX_BEFORE_LABEL] = partials[..., P_MAX_BEFORE].amax(1)
+        stats[:, ROW_MAX] = row_max
 
 
 @triton.jit
@@ -211,7 +249,9 @@ def row_statistics(logits: torch.Tensor, labels: torch.Tensor | None, *, tempera
     """(R, 9) float32 statistics of the (R, V) ``logits`` (columns: see the module constants).
 
     ``labels`` (R, J) int64 with J <= 2 and entries in [0, V), or None. Columns not asked
-    for hold garbage. ``logits`` (rows contiguous) is not modified.
+    for hold garbage. ``logits`` (rows contiguous) is not modified. Each row is split into
+    column ranges walked by separate programs (enough programs to keep every SM's memory
+    pipeline busy however few the rows), whose partial statistics are then combined.
     """
     n_rows, n_cols = logits.shape
     stats = torch.empty((n_rows, STAT_COLUMNS), device=logits.device, dtype=torch.float32)
@@ -221,11 +261,17 @@ def row_statistics(logits: torch.Tensor, labels: torch.Tensor | None, *, tempera
     labels_arg = labels if labels is not None else stats
     config = launch_config(HeadEpilogueConfig)
     block = min(config.statistics_block, triton.next_power_of_2(n_cols))
-    launch_kernel(_row_statistics_kernel, (n_rows,), logits, logits.stride(0), labels_arg,
-                  labels.stride(0) if labels is not None else 0, stats, n_cols, float(scale),
+    wanted = max(1, config.statistics_programs_per_sm * multiprocessor_count(logits.device) // n_rows)
+    n_splits = min(wanted, triton.cdiv(n_cols, block))
+    span = triton.cdiv(triton.cdiv(n_cols, n_splits), block) * block
+    n_splits = triton.cdiv(n_cols, span)
+    partials = torch.empty((n_rows, n_splits, PARTIAL_COLUMNS), device=logits.device, dtype=torch.float32)
+    launch_kernel(_row_statistics_kernel, (n_rows, n_splits), logits, logits.stride(0), labels_arg,
+                  labels.stride(0) if labels is not None else 0, stats, partials, n_cols, span, float(scale),
                   float(softcap or 1.0), 1.0 / temperature, N_LABELS=n_labels, **_transform_flags(scale, softcap),
                   ENTROPY=entropy, SUM_SQ=sum_sq, RAW_SUM=raw_sum, TRANSFORMED_SUM=transformed_sum, TOP1=top1,
                   BLOCK=block, num_warps=config.statistics_warps)
+    _combine_partials(partials, stats, entropy, sum_sq, raw_sum, transformed_sum, top1)
     return stats
 
 
