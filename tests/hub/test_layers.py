@@ -6,11 +6,18 @@ it through ``kernels`` (``LocalLayerRepository`` + ``kernelize``, or transformer
 model with HF's own: the loss and every parameter gradient, with the patching tests' tolerance.
 ``kernels`` validates each layer against the class it replaces when it loads it. On a GPU the
 same tests kernelize with ``device="cuda"`` (the build's cuda variant).
+
+Where transformers does not accept the installed ``kernels`` (transformers 5.17 beside kernels
+0.19), its hub decorators are no-ops: the tests that drive ``kernels.kernelize`` apply the ones its
+modeling source declares (tests/hub/declared_hub_names.py), and the tests of transformers' own
+routes skip. No test reaches the Hub: huggingface_hub is in offline mode, and the from_pretrained
+routes run without transformers' default mapping.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -21,7 +28,8 @@ transformers = pytest.importorskip("transformers")
 
 from kernels import CUDAProperties, Device, LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 
-from tests.hub.repository import build_repository  # noqa: E402
+from tests.hub.declared_hub_names import apply_declared_hub_names, declared_decorators  # noqa: E402
+from tests.hub.repository import build_repository, hub_offline  # noqa: E402
 from tests.transformers.model_configs import VOCAB, loss_and_grads, random_batch, tiny_config  # noqa: E402
 from tests.utils import DEVICE, assert_close  # noqa: E402
 
@@ -62,9 +70,33 @@ EXPECTED = {
 }
 
 
-# transformers checks the installed kernels version against its own range before use_kernels.
-needs_use_kernels = pytest.mark.skipif(not transformers.utils.is_kernels_available(),
-                                       reason="transformers does not accept the installed kernels version")
+# The modeling modules of the models under test, whose hub names kernelize looks up.
+MODELING = {model_type: f"transformers.models.{model_type}.modeling_{model_type}"
+            for model_type in ("llama", "qwen3", "gemma3", "mixtral", "phi3")}
+
+
+def kernels_range() -> str:
+    from transformers.utils import import_utils
+
+    low, high = (getattr(import_utils, f"KERNELS_{end}_VERSION", "?") for end in ("MIN", "MAX"))
+    return f"{low} <= kernels < {high}"
+
+
+# transformers checks the installed kernels version against its own range; outside it,
+# use_kernels, KernelConfig and register_kernel_mapping_transformers refuse to run and its hub
+# decorators are no-ops (transformers 5.17 accepts 0.16.x only; docs/ecosystem.md).
+needs_use_kernels = pytest.mark.skipif(
+    not transformers.utils.is_kernels_available(),
+    reason=f"transformers {transformers.__version__} accepts {kernels_range()}, not the installed "
+           f"kernels {kernels.__version__}: its use_kernels integration refuses to run",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline():
+    """No test here may reach the Hub: the builds are local."""
+    with hub_offline():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +108,24 @@ def repository(tmp_path_factory):
 def layers(repository):
     """The build's ``layers`` module, as ``kernels`` imports it."""
     return kernels.get_local_kernel(repository).layers
+
+
+@pytest.fixture
+def hub_names(monkeypatch):
+    """The hub names the models' modeling code declares, on its classes and rotary functions
+    (applied here where transformers does not accept the installed kernels: tests/hub/
+    declared_hub_names.py)."""
+    for module_name in MODELING.values():
+        apply_declared_hub_names(monkeypatch, module_name)
+
+
+@pytest.fixture
+def no_default_hub_mapping(monkeypatch):
+    """transformers' default mapping (Hub repositories for RMSNorm, rotary_pos_emb, activations, ...
+    on CUDA) left out of the from_pretrained routes: the tests load only the local build."""
+    from transformers.integrations import hub_kernels
+
+    monkeypatch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", {})
 
 
 @pytest.fixture
@@ -185,8 +235,41 @@ def assert_probes_accepted(model: nn.Module, layers) -> None:
     assert plans and all(plan is not None for plan in plans.values()), plans
 
 
+def test_the_hub_is_out_of_reach():
+    """A Hub request from these tests raises before it reaches the network."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    with pytest.raises(OfflineModeIsEnabled):
+        HfApi().model_info("kernels-community/liger_kernels")
+
+
+def test_declared_hub_names_are_the_ones_transformers_applies(monkeypatch):
+    """The hub names read from the modeling source are the ones on transformers' classes and
+    functions: applied by transformers where it accepts the installed kernels (nothing left to
+    apply), else applied by the helper and removed again afterwards."""
+    accepted = transformers.utils.is_kernels_available()
+    for model_type, module_name in MODELING.items():
+        applied = apply_declared_hub_names(monkeypatch, module_name)
+        assert not applied if accepted else applied, (module_name, applied)
+        module = importlib.import_module(module_name)
+        hub_names, kernelized_funcs = declared_decorators(module_name)
+        assert {name: getattr(module, name).kernel_layer_name for name in hub_names} == hub_names
+        assert all(functions == ("apply_rotary_pos_emb",) for functions in kernelized_funcs.values())
+        assert bool(kernelized_funcs) == (model_type != "phi3")  # Phi-3's rotary function has no hub name
+    assert declared_decorators(MODELING["llama"]) == (
+        {"LlamaRMSNorm": "RMSNorm", "apply_rotary_pos_emb": "rotary_pos_emb"},
+        {"LlamaAttention": ("apply_rotary_pos_emb",)},
+    )
+    monkeypatch.undo()
+    from transformers.models.llama import modeling_llama
+
+    assert hasattr(modeling_llama.LlamaRMSNorm, "kernel_layer_name") == accepted
+    assert hasattr(modeling_llama.apply_rotary_pos_emb, "kernel_layer_name") == accepted
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3", "mixtral", "phi3"])
-def test_kernelize_matches_hf(model_type, repository, layers):
+def test_kernelize_matches_hf(model_type, repository, layers, hub_names):
     reference = reference_model(model_type)
     model = with_layouts(reference, model_type, layers)
     with use_kernel_mapping(local_mapping(repository)):
@@ -201,19 +284,15 @@ def test_kernelize_matches_hf(model_type, repository, layers):
 
 
 @needs_use_kernels
-def test_global_mapping_route_through_from_pretrained(repository, layers, tmp_path, monkeypatch):
+def test_global_mapping_route_through_from_pretrained(repository, layers, tmp_path, no_default_hub_mapping):
     """A mapping registered for the device, layouts patched in while the model is built, then
     ``from_pretrained(use_kernels=True)``: train() re-kernelizes with it in training mode."""
     reference = reference_model("llama")
     reference.save_pretrained(tmp_path)
     device = DEVICE
     if DEVICE == "cuda":
-        from transformers.integrations import hub_kernels
-
-        # transformers' default mapping would download other layers, and the test machine has no
-        # network. A narrower capability range than the default's wins the tie for RMSNorm and
-        # rotary_pos_emb (docs/ecosystem.md).
-        monkeypatch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", {})
+        # Registered for a narrower capability range than the default mapping's, as a user keeping
+        # that mapping must (docs/ecosystem.md).
         device = Device(type="cuda", properties=CUDAProperties(min_capability=70, max_capability=1000))
     monkey_patching = pytest.importorskip("transformers.monkey_patching")
     # Not inheriting: a default mapping an earlier from_pretrained registered in this process would
@@ -231,7 +310,8 @@ def test_global_mapping_route_through_from_pretrained(repository, layers, tmp_pa
 
 
 @needs_use_kernels
-def test_kernel_config_route_through_from_pretrained(repository, tmp_path, monkeypatch, patch_mapping):
+def test_kernel_config_route_through_from_pretrained(repository, tmp_path, monkeypatch, patch_mapping,
+                                                    no_default_hub_mapping):
     """``KernelConfig`` with hub names and a class-name key (the layout route), the Hub id served
     by ``LOCAL_KERNELS``. transformers 5.25 refuses device "cpu" in a KernelConfig and registers
     its mapping for the mode of the model at load (eval), so train() would drop the layers; the
@@ -264,6 +344,7 @@ def test_kernel_config_route_through_from_pretrained(repository, tmp_path, monke
     assert_same_step(model, reference)
 
 
+@needs_use_kernels
 def test_a_narrower_cuda_range_wins_over_the_default_mapping(repository):
     """transformers registers its default mapping (RMSNorm -> kernels-community) again inside
     ``set_use_kernels``; between two repositories for the same capability range ``kernels`` picks by
@@ -395,7 +476,7 @@ def test_layers_version_pins_the_interface():
     assert interface == PUBLISHED[source.LAYERS_VERSION]
 
 
-def test_kernels_validates_each_layer_against_the_classes_it_replaces(layers):
+def test_kernels_validates_each_layer_against_the_classes_it_replaces(layers, hub_names):
     from kernels._internals.layer.layer import _validate_layer
     from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llama import modeling_llama
@@ -438,7 +519,7 @@ def test_layouts_refuse_an_activation_the_kernel_does_not_compute(layers):
         layers.LigerGEGLUMLPLayout(tiny_config("llama"))
 
 
-def test_bf16_model_runs_the_kernels_within_bf16_of_a_float64_reference(repository, layers):
+def test_bf16_model_runs_the_kernels_within_bf16_of_a_float64_reference(repository, layers, hub_names):
     """In bf16 (how models train) the probes still accept Llama's norm and rotary function, and the
     loss stays within the bf16 tolerance of the float64 model's."""
     reference = reference_model("llama")
