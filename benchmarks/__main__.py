@@ -28,9 +28,8 @@ from pathlib import Path
 
 from benchmarks.harness import MODES, PROVIDERS  # harness imports torch, not triton
 from benchmarks.peers import PEER_NAMES, UPSTREAM
+from benchmarks.specs import OPS, load_specs
 
-OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "jsd",
-       "dpo", "fused_linear_logprobs", "grpo", "fused_linear_jsd")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -122,23 +121,6 @@ def apply_overrides(overrides: list[str], stack: contextlib.ExitStack) -> list[s
         stack.enter_context(override_launch_config(config_cls, **{field: value}))
         applied.append(f"{module_name}.{class_name}.{field}={value!r}")
     return applied
-
-
-def load_specs(ops: tuple[str, ...]):
-    from benchmarks import (
-        bench_cross_entropy,
-        bench_distillation,
-        bench_gated_mlp,
-        bench_norms,
-        bench_post_training,
-        bench_rl_distillation,
-        bench_rope,
-    )
-
-    modules = (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy, bench_distillation, bench_post_training,
-               bench_rl_distillation)
-    specs = {s.name: s for m in modules for s in m.SPECS}
-    return [specs[name] for name in ops]
 
 
 def default_out_dir(device_label: str) -> Path:

@@ -46,10 +46,13 @@ import csv
 import datetime
 import functools
 import gc
+import importlib.metadata
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -61,8 +64,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import step_floor  # noqa: E402
 from benchmarks.harness import device_name, versions  # noqa: E402
 
@@ -444,6 +448,54 @@ def timed_steps(model, optimizer, batches, warmup: int, device: torch.device):
     return losses, step_ms, elapsed
 
 
+def run_upstream_e2e(args, grad_ckpt: bool, max_seq_budget_s: float | None):
+    """The ``liger-upstream`` variant of ``benchmarks/e2e_training.py``: the script itself
+    run with ``--variants liger`` in a child importing the upstream package."""
+    from benchmarks import peers
+
+    variant = "liger-upstream" + ("+ckpt" if grad_ckpt else "")
+    path = args.upstream_path
+    if not path or not Path(path).is_dir():
+        return VariantResult(variant=variant, tokens_per_s=float("nan"), peak_gib=float("nan"),
+                             median_step_ms=float("nan"), losses=[],
+                             notes=[f"skipped: no upstream liger_kernel directory ({path or 'unset'})"])
+    command = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
+               "--variants", "liger", "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--batch", str(args.batch), "--seq", str(args.seq), "--seed", str(args.seed),
+               "--grad-ckpt", "on" if grad_ckpt else "off", "--floor", args.floor,
+               "--compile-backend", args.compile_backend, "--max-seq-limit", str(args.max_seq_limit)]
+    if max_seq_budget_s is None:
+        command.append("--skip-max-seq")
+    else:
+        command += ["--max-seq-budget", str(max_seq_budget_s)]
+    if args.max_batch:
+        command += ["--max-batch", "--max-batch-limit", str(args.max_batch_limit),
+                    "--max-batch-budget", str(args.max_batch_budget)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run([*command, "--json-out", str(out), "--out", tmp], cwd=REPO_ROOT,
+                              env=peers.upstream_env(path), capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return VariantResult(variant=variant, tokens_per_s=float("nan"), peak_gib=float("nan"),
+                                 median_step_ms=float("nan"), losses=[],
+                                 notes=[f"upstream child failed (exit {proc.returncode}): {tail[0][:200]}"])
+        (data,) = json.loads(out.read_text())
+    floor = data.pop("floor")
+    result = VariantResult(**data)
+    result.floor = step_floor.StepFloor(**floor) if floor else None
+    result.variant = variant
+    result.notes.append(f"upstream {_upstream_version(path)} from {path}")
+    return result
+
+
+def _upstream_version(path: str) -> str:
+    for dist in importlib.metadata.distributions(path=[str(Path(path).resolve())]):
+        if (dist.metadata["Name"] or "").lower().replace("_", "-") == "liger-kernel":
+            return dist.version
+    return "(version unknown)"
+
+
 def run_variant(variant: str, config, initial_state, args, device: torch.device, dtype: torch.dtype,
                 batches: list[torch.Tensor], max_seq_budget_s: float | None, grad_ckpt: bool = False,
                 head_rate: float | None = None) -> VariantResult:
@@ -755,9 +807,7 @@ def main(argv=None) -> int:
             budget = max(0.0, args.max_seq_budget - spent) / (len(runs) - i)
         t0 = time.perf_counter()
         if variant == "liger-upstream":
-            from benchmarks import peers
-
-            result = peers.run_upstream_e2e(args, ckpt, budget)
+            result = run_upstream_e2e(args, ckpt, budget)
         else:
             result = run_variant(variant, config, initial_state, args, device, dtype, batches, budget, ckpt,
                                  head_rate)

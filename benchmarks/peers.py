@@ -18,7 +18,8 @@ a child process whose ``PYTHONPATH`` is its install directory followed by this r
 (not ``src``): ``python -m benchmarks.peers ops REQUEST.json`` builds the same op specs,
 registers provider ``liger_upstream`` from ``liger_kernel.transformers.functional`` and runs
 the same ``harness.Runner`` with the parent's measured hardware, writing its rows as JSON;
-:func:`run_upstream_ops` merges them. For the end-to-end benchmark, :func:`run_upstream_e2e`
+:func:`run_upstream_ops` merges them. For the end-to-end benchmark,
+:func:`benchmarks.e2e_training.run_upstream_e2e`
 runs ``benchmarks/e2e_training.py --variants liger`` the same way (variant
 ``liger-upstream``). The child checks that ``liger_kernel`` came from the given directory.
 
@@ -280,15 +281,15 @@ def run_upstream_ops(path: str, cfg, hw, ops: list[str], log=print, max_seconds:
 
 
 def _skipped_rows(reason: str, request: dict) -> list:
-    from benchmarks import __main__ as cli
     from benchmarks import harness
+    from benchmarks.specs import load_specs
 
     cfg = _run_config(request)
     peer = Peer(UPSTREAM, "liger_kernel", "liger-kernel", dict(UPSTREAM_OPS), unavailable=reason)
     harness.EXTRA_PROVIDERS[UPSTREAM] = peer
     try:
         runner = harness.Runner(cfg, harness.Hardware(**request["hardware"]), log=lambda msg: None)
-        return runner.run(cli.load_specs(tuple(request["ops"])))
+        return runner.run(load_specs(tuple(request["ops"])))
     finally:
         del harness.EXTRA_PROVIDERS[UPSTREAM]
 
@@ -307,8 +308,8 @@ def _child_ops(request_path: str, out_path: str) -> int:
     request = json.loads(Path(request_path).read_text())
     if request["device"] == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-    from benchmarks import __main__ as cli
     from benchmarks import harness
+    from benchmarks.specs import load_specs
 
     version = check_upstream_import(request["path"])
     harness.EXTRA_PROVIDERS[UPSTREAM] = Peer(UPSTREAM, "liger_kernel", "liger-kernel", dict(UPSTREAM_OPS),
@@ -317,7 +318,7 @@ def _child_ops(request_path: str, out_path: str) -> int:
     if cfg.device.type == "cpu":
         torch.set_num_threads(1)
     runner = harness.Runner(cfg, harness.Hardware(**request["hardware"]))
-    rows = runner.run(cli.load_specs(tuple(request["ops"])))
+    rows = runner.run(load_specs(tuple(request["ops"])))
     Path(out_path).write_text(json.dumps([asdict(r) for r in rows]))
     return 0
 
@@ -329,55 +330,6 @@ def merge_speedups(rows: list) -> None:
         base = hf.get((r.op, r.shape, r.mode))
         if r.provider == UPSTREAM and r.status == "ok" and base is not None:
             r.speedup_vs_hf = base.median_ms / r.median_ms
-
-
-def run_upstream_e2e(args, grad_ckpt: bool, max_seq_budget_s: float | None):
-    """The ``liger-upstream`` variant of ``benchmarks/e2e_training.py``: the script itself
-    run with ``--variants liger`` in a child importing the upstream package."""
-    from benchmarks.e2e_training import VariantResult
-    from benchmarks.step_floor import StepFloor
-
-    variant = "liger-upstream" + ("+ckpt" if grad_ckpt else "")
-    path = args.upstream_path
-    if not path or not Path(path).is_dir():
-        return VariantResult(variant=variant, tokens_per_s=float("nan"), peak_gib=float("nan"),
-                             median_step_ms=float("nan"), losses=[],
-                             notes=[f"skipped: no upstream liger_kernel directory ({path or 'unset'})"])
-    command = [sys.executable, str(REPO / "benchmarks" / "e2e_training.py"), "--model", args.model,
-               "--variants", "liger", "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--batch", str(args.batch), "--seq", str(args.seq), "--seed", str(args.seed),
-               "--grad-ckpt", "on" if grad_ckpt else "off", "--floor", args.floor,
-               "--compile-backend", args.compile_backend, "--max-seq-limit", str(args.max_seq_limit)]
-    if max_seq_budget_s is None:
-        command.append("--skip-max-seq")
-    else:
-        command += ["--max-seq-budget", str(max_seq_budget_s)]
-    if args.max_batch:
-        command += ["--max-batch", "--max-batch-limit", str(args.max_batch_limit),
-                    "--max-batch-budget", str(args.max_batch_budget)]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        proc = subprocess.run([*command, "--json-out", str(out), "--out", tmp], cwd=REPO,
-                              env=upstream_env(path), capture_output=True, text=True)
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return VariantResult(variant=variant, tokens_per_s=float("nan"), peak_gib=float("nan"),
-                                 median_step_ms=float("nan"), losses=[],
-                                 notes=[f"upstream child failed (exit {proc.returncode}): {tail[0][:200]}"])
-        (data,) = json.loads(out.read_text())
-    floor = data.pop("floor")
-    result = VariantResult(**data)
-    result.floor = StepFloor(**floor) if floor else None
-    result.variant = variant
-    result.notes.append(f"upstream {_upstream_version(path)} from {path}")
-    return result
-
-
-def _upstream_version(path: str) -> str:
-    for dist in importlib.metadata.distributions(path=[str(Path(path).resolve())]):
-        if (dist.metadata["Name"] or "").lower().replace("_", "-") == "liger-kernel":
-            return dist.version
-    return "(version unknown)"
 
 
 def main(argv: list[str] | None = None) -> int:

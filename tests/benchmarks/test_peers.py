@@ -22,7 +22,7 @@ import pytest
 import torch
 from benchmarks.e2e_training import VariantResult
 
-from benchmarks import harness, peers
+from benchmarks import e2e_training, harness, peers
 from tests.utils import cpu_interpreter_problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,9 +119,9 @@ def _e2e_args(path: str) -> SimpleNamespace:
 
 
 def test_upstream_e2e_variant(monkeypatch):
-    missing = peers.run_upstream_e2e(_e2e_args(""), grad_ckpt=False, max_seq_budget_s=None)
+    missing = e2e_training.run_upstream_e2e(_e2e_args(""), grad_ckpt=False, max_seq_budget_s=None)
     assert missing.variant == "liger-upstream" and not missing.losses and "skipped" in missing.notes[0]
-    result = peers.run_upstream_e2e(_e2e_args(str(SRC)), grad_ckpt=True, max_seq_budget_s=None)
+    result = e2e_training.run_upstream_e2e(_e2e_args(str(SRC)), grad_ckpt=True, max_seq_budget_s=None)
     assert isinstance(result, VariantResult), result
     assert result.variant == "liger-upstream+ckpt" and len(result.losses) == 2, result.notes
     assert result.patched_modules > 0 and "LlamaRMSNorm" in result.patched
