@@ -2,8 +2,17 @@
 
 The modules and the functional API need only torch and triton; the patching functions
 need ``transformers`` (``pip install liger-kernel[transformers]``). Names load lazily so
-``import liger_kernel.transformers`` works without ``transformers`` installed.
+``import liger_kernel.transformers`` works without ``transformers`` installed (and takes
+milliseconds instead of the seconds torch and transformers take).
+
+The ``apply_liger_kernel_to_<model_type>`` functions of the families and the upstream-compatible
+names are imported from :mod:`liger_kernel.transformers.patching.apply_functions`, which loads
+the patching code on the first call; any other model type's function is resolved from the
+registry by name (:mod:`liger_kernel.transformers.monkey_patch`).
 """
+
+from liger_kernel.transformers.patching.apply_functions import *  # noqa: F403 - the written-out apply functions
+from liger_kernel.transformers.patching.apply_functions import __all__ as _WRITTEN
 
 _EXPORTS = {
     # modules
@@ -24,8 +33,7 @@ _EXPORTS = {
     "triton_grpo_loss": "grpo_loss",
     "LigerFusedLinearJSD": "fused_linear_jsd",
     "liger_fused_linear_jsd": "fused_linear_jsd",
-    # patching (needs transformers); apply_liger_kernel_to_<model_type> for every model type
-    # transformers lists is resolved by __getattr__ below
+    # patching (needs transformers)
     "revert_liger_kernel": "monkey_patch",
     "liger_kernel_patched": "monkey_patch",
     "liger_patched_modules": "monkey_patch",
@@ -37,13 +45,13 @@ _EXPORTS = {
     "AutoLigerKernelForCausalLM": "auto_model",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, *_WRITTEN]
 
 
 def __getattr__(name):
     module_name = _EXPORTS.get(name)
     if module_name is None and name.startswith("apply_liger_kernel_to_"):
-        module_name = "monkey_patch"
+        module_name = "monkey_patch"  # a model type discovery patches, not written out
     if module_name is not None:
         import importlib
 

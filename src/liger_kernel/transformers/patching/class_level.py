@@ -3,8 +3,7 @@
 A class-level patch (``apply_liger_kernel_to_<model_type>()`` without ``model``) replaces
 names in a modeling module and attributes of its classes. Every replacement goes through
 :func:`set_patched`, which records the original the first time an attribute is patched, so
-:func:`revert_liger_kernel` and :func:`liger_kernel_patched` can always put the true
-original back.
+:func:`revert_liger_kernel` and :func:`undone_on_exit` can always put the true original back.
 """
 
 from __future__ import annotations
@@ -57,20 +56,12 @@ def revert_liger_kernel(model_type: str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def liger_kernel_patched(model_type: str, **kwargs: Any) -> Iterator[None]:
-    """Context manager: class-level patch of ``model_type`` for the ``with`` block only.
-
-    ``kwargs`` are the options of ``apply_liger_kernel_to_<model_type>`` (``model`` excluded).
-    On exit every attribute is put back to what it was on entry, so an enclosing patch of
-    the same model type survives.
-    """
-    from liger_kernel.transformers.patching.api import _apply_liger_kernel
-
-    if "model" in kwargs:
-        raise TypeError("liger_kernel_patched patches classes; use _apply_liger_kernel_to_instance for a model")
+def undone_on_exit(model_type: str) -> Iterator[None]:
+    """Context manager: every class-level patch of ``model_type`` made inside the block is put
+    back on exit to what it was on entry, so an enclosing patch of the same model type survives
+    (:func:`liger_kernel.transformers.patching.registry.liger_kernel_patched` wraps it)."""
     before = {key: (owner, name, vars(owner).get(name, _MISSING))
               for key, (owner, name, _) in _PATCHED.get(model_type, {}).items()}
-    _apply_liger_kernel(model_type, **kwargs)
     try:
         yield
     finally:
