@@ -170,13 +170,13 @@ def _targets_kept(shift_labels: torch.Tensor, logits_to_keep: torch.Tensor) -> t
 
 @pytest.mark.parametrize("form", ["positions", "mask"])
 def test_logits_to_keep_two_dimensional(form):
-    from liger_kernel.transformers.causal_lm import _hf_slice_logits_to_keep
+    from liger_kernel.transformers.hf_versions import hf_slice_logits_to_keep
 
     reference, patched = _pair()
     batch = random_batch(VOCAB, seed=14)
     input_ids = batch["input_ids"]
     logits_to_keep = _two_dim_logits_to_keep(form, *input_ids.shape)
-    if _hf_slice_logits_to_keep() is None:
+    if hf_slice_logits_to_keep() is None:
         # transformers without slice_logits_to_keep (5.17) supports int / 1-D only.
         with pytest.raises(ValueError, match="logits_to_keep"):
             _run(patched, train=False, input_ids=input_ids, logits_to_keep=logits_to_keep)
@@ -210,27 +210,27 @@ def test_hf_slice_lookup_is_made_when_the_forward_is_installed(level, monkeypatc
     instance, make the lookup first."""
     import pickle
 
-    from liger_kernel.transformers import causal_lm, liger_kernel_patched
+    from liger_kernel.transformers import hf_versions, liger_kernel_patched
 
-    monkeypatch.setattr(causal_lm, "_HF_SLICE_LOGITS_TO_KEEP", [])
+    monkeypatch.setattr(hf_versions, "_HF_SLICE_LOGITS_TO_KEEP", [])
     if level == "class":
         with liger_kernel_patched("llama"):
-            assert causal_lm._HF_SLICE_LOGITS_TO_KEEP
+            assert hf_versions._HF_SLICE_LOGITS_TO_KEEP
         return
     _, patched = _pair()
     if level == "unpickled":
         data = pickle.dumps(patched)
-        monkeypatch.setattr(causal_lm, "_HF_SLICE_LOGITS_TO_KEEP", [])
+        monkeypatch.setattr(hf_versions, "_HF_SLICE_LOGITS_TO_KEEP", [])
         pickle.loads(data)
-    assert causal_lm._HF_SLICE_LOGITS_TO_KEEP
+    assert hf_versions._HF_SLICE_LOGITS_TO_KEEP
 
 
 def test_logits_to_keep_without_hf_slice_function(monkeypatch):
     # transformers 5.17 indexes hidden_states[:, logits_to_keep, :] itself and documents int
     # and 1-D forms only: those must still match, a 2-D tensor must raise a clear error.
-    from liger_kernel.transformers import causal_lm
+    from liger_kernel.transformers import hf_versions
 
-    monkeypatch.setattr(causal_lm, "_hf_slice_logits_to_keep", lambda: None)
+    monkeypatch.setattr(hf_versions, "hf_slice_logits_to_keep", lambda: None)
     reference, patched = _pair()
     input_ids = random_batch(VOCAB, seed=15)["input_ids"]
     seq = input_ids.shape[1]
@@ -456,3 +456,105 @@ def test_wrapped_lm_head_falls_back_to_exact_logits_path():
     assert out.logits is None
     torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
     _assert_same_grads(grads, ref_grads)
+
+
+# The fused forward's steps, each on its own.
+
+def test_forward_inputs_takes_the_loss_only_keywords():
+    from types import SimpleNamespace
+
+    from liger_kernel.transformers.causal_lm import FusedLossSpec, forward_inputs
+
+    labels = torch.randint(0, VOCAB, (2, 5))
+    kwargs = {"num_items_in_batch": 7, "ignore_index": -1, "cache": "kv", "return_dict": False, "other": 1}
+    inputs = forward_inputs(SimpleNamespace(return_dict=True), FusedLossSpec(), labels, None, kwargs)
+    assert kwargs == {"other": 1}  # what stays goes to the decoder
+    assert inputs.labels is labels and inputs.shift_labels is None and inputs.has_targets
+    assert (inputs.num_items_in_batch, inputs.ignore_index, inputs.return_dict, inputs.past_key_values) == (
+        7, -1, False, "kv")
+
+    unshifted = FusedLossSpec(shifts_labels=False, counts_items=False)
+    inputs = forward_inputs(SimpleNamespace(return_dict=True), unshifted, labels, "given", {"num_items_in_batch": 7})
+    assert inputs.labels is None and inputs.shift_labels is labels  # already the targets
+    assert inputs.num_items_in_batch is None and inputs.return_dict and inputs.past_key_values == "given"
+    assert not forward_inputs(SimpleNamespace(), FusedLossSpec(), None, None, {}).has_targets
+
+
+def test_router_logits_wanted_order():
+    from types import SimpleNamespace
+
+    from liger_kernel.transformers.causal_lm import FusedLossSpec, router_logits_wanted
+
+    config = SimpleNamespace(output_router_logits=True)
+    assert router_logits_wanted(FusedLossSpec(), config, None)
+    assert not router_logits_wanted(FusedLossSpec(), config, False)  # the call wins
+    assert not router_logits_wanted(FusedLossSpec(router_logits_default=False), config, None)  # then the signature
+    assert not router_logits_wanted(FusedLossSpec(), SimpleNamespace(), None)  # nothing says: off
+
+
+def test_head_features_applies_the_transform_and_keeps_positions():
+    from liger_kernel.transformers.causal_lm import FusedLossSpec, head_features
+
+    model = build_model("llama", seed=3)
+    model.head_scale = torch.nn.Linear(model.config.hidden_size, model.config.hidden_size)
+    hidden = torch.randn(2, 6, model.config.hidden_size, device=DEVICE)
+    features, lm_head, logits_head = head_features(model, FusedLossSpec(), hidden, 2)
+    assert lm_head is model.lm_head and logits_head is lm_head
+    torch.testing.assert_close(features, hidden[:, -2:])
+    features, _, _ = head_features(model.to(DEVICE), FusedLossSpec(head_transform_attr="head_scale"), hidden, 0)
+    torch.testing.assert_close(features, model.head_scale(hidden))
+
+
+def test_may_fuse_only_a_plain_linear_head(caplog):
+    from liger_kernel.transformers.causal_lm import may_fuse
+
+    linear = torch.nn.Linear(4, 8, bias=False)
+    assert may_fuse(linear, linear, skip_logits=True)
+    assert not may_fuse(linear, torch.nn.Sequential(linear), skip_logits=True)  # logits come from a head module
+    embedding = torch.nn.Embedding(8, 4)
+    with caplog.at_level("WARNING", logger="liger_kernel"):
+        assert not may_fuse(embedding, embedding, skip_logits=True)
+    assert "not an nn.Linear" in caplog.text
+
+
+def test_fused_loss_matches_the_loss_from_logits():
+    """The fused step and the unfused step give the same loss for the same features, with a
+    scale and a soft-cap; targets that do not match the kept positions raise."""
+    from liger_kernel.transformers.causal_lm import (
+        FusedLossSpec,
+        LogitTransform,
+        forward_inputs,
+        fused_loss,
+        loss_from_logits,
+    )
+
+    model = build_model("llama", seed=5)
+    features = torch.randn(2, 7, model.config.hidden_size, device=DEVICE)
+    labels = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    labels[1, :3] = -100
+    inputs = forward_inputs(model.config, FusedLossSpec(), labels, None, {"num_items_in_batch": 9})
+    transform = LogitTransform(scale=3.0, softcap=2.0)
+    fused = fused_loss(model.lm_head, features, inputs, transform, 0)
+    reference = copy.deepcopy(model).to(torch.float64)  # the float64 reference of the unfused step
+    unfused = loss_from_logits(reference, transform(reference.lm_head(features.double())), inputs)
+    torch.testing.assert_close(fused, unfused.to(fused.dtype), **TOL)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        fused_loss(model.lm_head, features[:, -2:], inputs, transform, 2)
+
+
+def test_model_output_tuple_and_moe_fields():
+    from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
+
+    from liger_kernel.transformers.causal_lm import FusedLossSpec, model_output
+
+    model = build_model("llama", seed=2)
+    loss, logits = torch.tensor(1.5), torch.zeros(1, 2, 3)
+    outputs = BaseModelOutputWithPast(last_hidden_state=torch.zeros(1, 2, 4))
+    output = model_output(model, FusedLossSpec(), outputs, loss, logits, False, None)
+    assert type(output).__name__ == "CausalLMOutputWithPast"
+    assert output.loss is loss and output.logits is logits and output.to_tuple()[:2] == (loss, logits)
+    moe = FusedLossSpec(router_aux_loss_fn="transformers.models.mixtral.modeling_mixtral:load_balancing_loss_func")
+    outputs = MoeModelOutputWithPast(last_hidden_state=torch.zeros(1, 2, 4), router_logits=(torch.randn(4, 3),))
+    output = model_output(model, moe, outputs, loss, logits, False, None)
+    assert type(output).__name__ == "MoeCausalLMOutputWithPast"
+    assert output.aux_loss is None and output.loss is loss and output.router_logits is outputs.router_logits

@@ -16,7 +16,8 @@ Semantics equal Hugging Face's ``ForCausalLMLoss`` (``transformers/loss/loss_uti
 * ``logits_to_keep`` (int ``k``: the last ``k`` positions, 0 = all; a 1-D tensor of positions;
   with transformers versions that have ``slice_logits_to_keep``, also a 2-D (B, k) tensor of
   positions per row or a (B, T) boolean mask) selects the positions whose logits (and loss)
-  are computed, exactly as the installed HF forward does (:func:`_positions_to_keep`);
+  are computed, exactly as the installed HF forward does
+  (:func:`~liger_kernel.transformers.hf_versions.positions_to_keep`);
 * a batch whose targets are all ``ignore_index`` gives loss 0 with zero gradients, on the
   fused and on the logits path alike (the library's convention for a mean over no targets;
   HF's loss gives NaN there);
@@ -66,6 +67,12 @@ from liger_kernel.transformers.distributed import (
     call_with_full_parameters,
     forward_is_wrapped,
     unwrapped_class,
+)
+from liger_kernel.transformers.hf_versions import (
+    cache_kwarg_name,
+    hf_slice_logits_to_keep,
+    output_cache_field,
+    positions_to_keep,
 )
 from liger_kernel.transformers.patching.binding import set_recipe
 from liger_kernel.transformers.recompute import autocast_recasts, recompute_norm_outputs
@@ -126,64 +133,6 @@ def liger_causal_lm_loss(
     if num_items_in_batch is not None:
         loss = _divide_by_items(loss, num_items_in_batch)
     return loss
-
-
-@functools.cache
-def _cache_kwarg_name(base_model_class: type) -> str:
-    # transformers 5.24 renamed the decoder's ``past_key_values`` argument to ``cache`` (5.17
-    # still uses ``past_key_values``); pass it under whichever name the base model takes.
-    params = inspect.signature(base_model_class.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _output_cache_field(output_class: type) -> str:
-    # ``__dataclass_fields__`` rather than ``dataclasses.fields()``: Dynamo cannot trace the
-    # latter on a class (a graph break under torch.compile), but reads a class attribute.
-    return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
-
-
-# ``[transformers.modeling_utils.slice_logits_to_keep or None]`` once looked up. The lookup is
-# an import, which Dynamo cannot trace (transformers is a lazy module: a graph break under
-# torch.compile), so patching makes it before any forward can run compiled.
-_HF_SLICE_LOGITS_TO_KEEP: list = []
-
-
-def _hf_slice_logits_to_keep():
-    # transformers 5.25 slices through ``modeling_utils.slice_logits_to_keep`` (which also
-    # takes 2-D tensors); 5.17 has no such function and indexes ``hidden_states`` inline.
-    if not _HF_SLICE_LOGITS_TO_KEEP:
-        from transformers import modeling_utils
-
-        _HF_SLICE_LOGITS_TO_KEEP.append(getattr(modeling_utils, "slice_logits_to_keep", None))
-    return _HF_SLICE_LOGITS_TO_KEEP[0]
-
-
-def _positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """(B, T, H) -> the hidden states whose logits are wanted, exactly as the installed HF
-    ``*ForCausalLM.forward`` selects them.
-
-    Every version takes an int ``k`` (the last ``k`` positions, 0 = all) and a 1-D tensor of
-    positions, giving (B, kept, H). Where HF has ``slice_logits_to_keep`` it is used as is,
-    which adds a 2-D integer tensor (B, kept) of positions per row, giving (B, kept, H), and
-    a 2-D boolean mask (B, T), giving the (num_true, H) selected rows. Older HF documents
-    only the int and 1-D forms (its inline ``hidden_states[:, t, :]`` turns a 2-D tensor into
-    a cross-batch gather or an ``IndexError``), so a 2-D tensor raises ``ValueError`` there.
-    """
-    hf_slice = _hf_slice_logits_to_keep()
-    if hf_slice is not None:
-        return hf_slice(hidden_states, logits_to_keep)
-    if isinstance(logits_to_keep, int):
-        # 0 keeps everything: slice(-0, None) == slice(0, None).
-        return hidden_states[:, -logits_to_keep:, :]
-    if logits_to_keep.dim() > 1:
-        import transformers
-
-        raise ValueError(
-            f"logits_to_keep of shape {tuple(logits_to_keep.shape)}: transformers {transformers.__version__} "
-            "takes an int or a 1-D tensor of positions (2-D tensors need a version with "
-            "transformers.modeling_utils.slice_logits_to_keep)"
-        )
-    return hidden_states[:, logits_to_keep, :]
 
 
 def _zero_if_nothing_counted(
@@ -344,6 +293,245 @@ def output_embedding_input(head: torch.nn.Module, output_embedding: torch.nn.Mod
     raise ValueError(f"{type(head).__name__} never called its output embedding {type(output_embedding).__name__}")
 
 
+@dataclasses.dataclass
+class ForwardInputs:
+    """The loss-only arguments of one forward call, normalised (what the decoder is not given).
+
+    ``labels`` (B, T) are shifted by the loss; ``shift_labels`` (B, T) are the targets as
+    they are (a forward whose spec does not shift labels gets its labels here).
+    ``num_items_in_batch`` divides the summed loss (None: the mean over counted targets).
+    """
+
+    labels: torch.Tensor | None
+    shift_labels: torch.Tensor | None
+    num_items_in_batch: torch.Tensor | int | None
+    ignore_index: int
+    return_dict: bool
+    past_key_values: Any
+
+    @property
+    def has_targets(self) -> bool:
+        return self.labels is not None or self.shift_labels is not None
+
+
+def forward_inputs(config: Any, spec: FusedLossSpec, labels: torch.Tensor | None, past_key_values: Any,
+                   kwargs: dict[str, Any]) -> ForwardInputs:
+    """Step 1: take the loss-only keywords out of ``kwargs`` (what stays goes to the decoder).
+
+    ``return_dict`` defaults to the config's; ``num_items_in_batch`` is dropped for a forward
+    that does not count items; 5.24's ``generate()`` passes the KV cache as ``cache``.
+    """
+    return_dict = kwargs.pop("return_dict", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    cache = kwargs.pop("cache", None)
+    if shift_labels is None and labels is not None and not spec.shifts_labels:
+        # The forward takes labels already aligned with the positions: they are the targets.
+        shift_labels, labels = labels, None
+    return ForwardInputs(
+        labels=labels,
+        shift_labels=shift_labels,
+        num_items_in_batch=num_items_in_batch if spec.counts_items else None,
+        ignore_index=ignore_index,
+        return_dict=getattr(config, "return_dict", True) if return_dict is None else return_dict,
+        past_key_values=cache if past_key_values is None else past_key_values,
+    )
+
+
+def router_logits_wanted(spec: FusedLossSpec, config: Any, requested: bool | None) -> bool:
+    """Whether a mixture-of-experts decoder returns router logits: as the call asks, else the
+    forward's own default where its signature fixes one, else the config's (or its text config's)."""
+    if requested is None:
+        requested = spec.router_logits_default
+    if requested is None:
+        requested = getattr(config, "output_router_logits", None)
+    if requested is None:
+        requested = getattr(text_config_of(config), "output_router_logits", False)
+    return bool(requested)
+
+
+def _recompute_wanted(model: torch.nn.Module, spec: FusedLossSpec, input_ids: torch.Tensor | None,
+                      inputs_embeds: torch.Tensor | None) -> bool:
+    """Whether the decoder runs inside the norm-output recompute context: asked for, with
+    gradients, not compiling, and not under autocast that casts the residual stream (the
+    projections then save casts of the norm outputs: nothing to recompute)."""
+    if not (spec.recompute_norm_outputs and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+        return False
+    # The residual stream's dtype is the embeddings'; its device the inputs' (offloaded
+    # embedding weights sit on the meta device until their hook loads them).
+    residual = inputs_embeds if inputs_embeds is not None else _input_embedding_weight(model)
+    placed = inputs_embeds if inputs_embeds is not None else input_ids
+    if isinstance(residual, torch.Tensor) and isinstance(placed, torch.Tensor):
+        return not autocast_recasts(placed.device.type, residual.dtype)
+    return True
+
+
+def decoder_outputs(model: torch.nn.Module, spec: FusedLossSpec, past_key_values: Any, **inputs: Any) -> Any:
+    """Step 2: the decoder's outputs (``return_dict=True``) for ``inputs`` (``input_ids``,
+    ``attention_mask``, ``position_ids``, ``inputs_embeds``, ``use_cache`` and whatever else
+    the caller passed), the KV cache under the name the installed decoder takes."""
+    base_model = model.get_submodule(spec.decoder_attr or model.base_model_prefix)
+    inputs[cache_kwarg_name(type(base_model))] = past_key_values
+    recompute = _recompute_wanted(model, spec, inputs.get("input_ids"), inputs.get("inputs_embeds"))
+    with recompute_norm_outputs(recompute):
+        return base_model(return_dict=True, **inputs)
+
+
+def head_features(model: torch.nn.Module, spec: FusedLossSpec, last_hidden_state: torch.Tensor,
+                  logits_to_keep: int | torch.Tensor) -> tuple[torch.Tensor, torch.nn.Module, Any]:
+    """Step 3: ``(features, lm_head, logits_head)``: the input of the output embedding ``lm_head``
+    at the kept positions, and what gives the logits on the unfused path (the output embedding,
+    or, while compiling, the head module holding it: the stop hook of
+    :func:`output_embedding_input` cannot be traced)."""
+    features = positions_to_keep(last_hidden_state, logits_to_keep)
+    lm_head = model.get_output_embeddings()
+    logits_head = lm_head
+    if spec.head_transform_attr is not None:
+        features = getattr(model, spec.head_transform_attr)(features)
+    elif spec.head_call_attr is not None and torch.compiler.is_compiling():
+        logits_head = getattr(model, spec.head_call_attr)
+    elif spec.head_call_attr is not None:
+        features = output_embedding_input(getattr(model, spec.head_call_attr), lm_head, features)
+    return features, lm_head, logits_head
+
+
+def may_fuse(lm_head: torch.nn.Module, logits_head: Any, skip_logits: bool) -> bool:
+    """Whether the fused kernel computes what ``logits_head`` would: it reads ``lm_head.weight``
+    and ``bias`` directly, so a wrapped head (a PEFT LoRA or ``modules_to_save`` wrapper, a
+    quantised linear) or one whose forward something other than accelerate replaced on the
+    instance gets the exact unfused path (with a warning once, when logits were to be skipped).
+    An accelerate hook is kept (the loss runs inside it); ``fully_shard``'s FSDPLinear is a
+    linear."""
+    is_linear = unwrapped_class(lm_head) is torch.nn.Linear
+    replaced = forward_is_wrapped(lm_head) and not accelerate_hooked(lm_head)
+    if skip_logits and not is_linear:
+        _warn_once(f"lm_head is a {type(lm_head).__name__}, not an nn.Linear: computing the loss from logits.")
+    elif skip_logits and replaced:
+        _warn_once("lm_head's forward is replaced on the instance (not by an accelerate hook): "
+                   "computing the loss from logits.")
+    return is_linear and not replaced and logits_head is lm_head
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitTransform:
+    """What the model does to ``features @ W^T`` before its loss: multiply by ``scale``, then
+    soft-cap (``c * tanh(z / c)``); None: not at all."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, spec: FusedLossSpec) -> LogitTransform:
+        text_config = text_config_of(model.config)
+        softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+        scale = None
+        if spec.logit_scale_attr is not None:
+            scale = _model_or_config(model, text_config, spec.logit_scale_attr)
+            scale = 1.0 / scale if spec.logit_scale_divides else scale
+        return cls(scale, softcap)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def fused_loss(lm_head: torch.nn.Module, features: torch.Tensor, inputs: ForwardInputs,
+               transform: LogitTransform, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """Step 4, fused: the loss of ``features`` (B, kept, H) (or (num_true, H) for a boolean
+    ``logits_to_keep``) through ``lm_head`` without materialising the logits. Raises
+    ``ValueError`` when the targets do not match the kept positions."""
+    shift_labels = inputs.shift_labels
+    if shift_labels is None:
+        shift_labels = shift_causal_labels(inputs.labels, inputs.ignore_index)
+    kept = features.shape[:-1]
+    # (batch, positions) targets for (batch, positions) kept; a boolean logits_to_keep
+    # mask keeps (num_true,) rows, matched like HF's loss does: by the flattened count.
+    if shift_labels.shape != kept and not (len(kept) == 1 and shift_labels.numel() == kept[0]):
+        raise ValueError(
+            f"labels/shift_labels of shape {tuple(shift_labels.shape)} do not match the "
+            f"{tuple(kept)} positions kept by logits_to_keep={logits_to_keep!r}"
+        )
+    # Under FSDP2 (lm_head sharded on its own), DeepSpeed ZeRO-3 or accelerate offload the
+    # weight is only materialised inside lm_head's own call: run the fused loss as that call.
+    # The scale is applied to the features instead of the logits: (s h) W^T = s (h W^T).
+    scaled = features if transform.scale is None else features * transform.scale
+    loss = call_with_full_parameters(
+        lm_head,
+        _fused_lm_head_loss,
+        scaled.reshape(-1, scaled.shape[-1]),
+        shift_labels.reshape(-1).to(features.device),
+        ignore_index=inputs.ignore_index,
+        reduction="sum" if inputs.num_items_in_batch is not None else "mean",
+        softcap=transform.softcap,
+    )
+    if inputs.num_items_in_batch is not None:
+        loss = _divide_by_items(loss, inputs.num_items_in_batch)
+    return loss
+
+
+def loss_from_logits(model: torch.nn.Module, logits: torch.Tensor, inputs: ForwardInputs) -> torch.Tensor:
+    """Step 4, unfused: the model's own ``loss_function`` on ``logits`` (0 for a mean over no
+    counted target, as on the fused path)."""
+    loss_kwargs: dict[str, Any] = {"num_items_in_batch": inputs.num_items_in_batch,
+                                   "ignore_index": inputs.ignore_index}
+    if inputs.shift_labels is not None:
+        loss_kwargs["shift_labels"] = inputs.shift_labels
+    loss = model.loss_function(logits=logits, labels=inputs.labels,
+                               vocab_size=text_config_of(model.config).vocab_size, **loss_kwargs)
+    if inputs.num_items_in_batch is None:
+        loss = _zero_if_nothing_counted(loss, inputs.labels, inputs.shift_labels, inputs.ignore_index)
+    return loss
+
+
+def model_output(model: torch.nn.Module, spec: FusedLossSpec, outputs: Any, loss: torch.Tensor | None,
+                 logits: torch.Tensor | None, router_logits: bool, attention_mask: torch.Tensor | None) -> Any:
+    """Step 5: the model's output object from the loss, the logits and the decoder's outputs:
+    ``CausalLMOutputWithPast`` (``Moe...`` with the router loss added for a mixture of experts),
+    or the spec's own output class with its other fields taken from the decoder's outputs."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    fields: dict[str, Any] = {
+        "loss": loss,
+        "logits": logits,
+        # Not every decoder has them (a state-space model's outputs have no attentions).
+        "hidden_states": getattr(outputs, "hidden_states", None),
+        "attentions": getattr(outputs, "attentions", None),
+    }
+    output_class = MoeCausalLMOutputWithPast if spec.is_moe else CausalLMOutputWithPast
+    if spec.output_class is not None:
+        output_class = _qualified(spec.output_class)
+    if spec.is_moe:
+        fields.update(_router_loss_fields(model, spec, outputs, loss, router_logits, attention_mask))
+    fields[output_cache_field(output_class)] = getattr(outputs, output_cache_field(type(outputs)), None)
+    if spec.output_class is not None:
+        # The model's own output fields (image hidden states, rope deltas, ...) come from the decoder's.
+        declared = output_class.__dataclass_fields__
+        fields = {name: fields[name] if name in fields else getattr(outputs, name, None) for name in declared}
+    return output_class(**fields)
+
+
+def _router_loss_fields(model: torch.nn.Module, spec: FusedLossSpec, outputs: Any, loss: torch.Tensor | None,
+                        router_logits: bool, attention_mask: torch.Tensor | None) -> dict[str, Any]:
+    """``loss`` (plus ``router_aux_loss_coef * aux`` when router logits were asked), ``aux_loss``
+    and ``router_logits`` of a mixture-of-experts output."""
+    aux_loss = None
+    if router_logits:
+        text_config = text_config_of(model.config)
+        aux_loss = _qualified(spec.router_aux_loss_fn)(
+            outputs.router_logits, _model_or_config(model, text_config, spec.num_experts_attr),
+            _model_or_config(model, text_config, "num_experts_per_tok"),
+            attention_mask,
+        )
+        if loss is not None:
+            coef = _model_or_config(model, text_config, spec.aux_loss_coef_attr)
+            loss = loss + coef * aux_loss.to(loss.device)
+    return {"loss": loss, "aux_loss": aux_loss, "router_logits": outputs.router_logits}
+
+
 def _fused_loss_forward(
     self,
     spec: FusedLossSpec,
@@ -358,174 +546,33 @@ def _fused_loss_forward(
     skip_logits: bool | None = None,
     **kwargs: Any,
 ):
-    """The body of every forward :func:`fused_loss_forward` builds (arguments documented there)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-
-    config = self.config
-    text_config = text_config_of(config)
-
-    return_dict = kwargs.pop("return_dict", None)
-    if return_dict is None:
-        return_dict = getattr(config, "return_dict", True)
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    if not spec.counts_items:
-        num_items_in_batch = None
-    shift_labels = kwargs.pop("shift_labels", None)
-    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
-    if shift_labels is None and labels is not None and not spec.shifts_labels:
-        # The forward takes labels already aligned with the positions: they are the targets.
-        shift_labels, labels = labels, None
-    # 5.24's generate() passes the KV cache as ``cache``.
-    cache = kwargs.pop("cache", None)
-    if past_key_values is None:
-        past_key_values = cache
-
-    is_moe = spec.is_moe
-    output_router_logits = kwargs.pop("output_router_logits", None)
-    if is_moe:
-        if output_router_logits is None:
-            output_router_logits = spec.router_logits_default
-        if output_router_logits is None:
-            output_router_logits = getattr(config, "output_router_logits", None)
-            if output_router_logits is None:
-                output_router_logits = getattr(text_config, "output_router_logits", False)
-        kwargs["output_router_logits"] = output_router_logits
-
-    base_model = self.get_submodule(spec.decoder_attr or self.base_model_prefix)
-    kwargs[_cache_kwarg_name(type(base_model))] = past_key_values
-    recompute = spec.recompute_norm_outputs and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    if recompute:
-        # The residual stream's dtype is the embeddings'; its device the inputs' (offloaded
-        # embedding weights sit on the meta device until their hook loads them).
-        residual = inputs_embeds if inputs_embeds is not None else _input_embedding_weight(self)
-        placed = inputs_embeds if inputs_embeds is not None else input_ids
-        # Under autocast the projections save casts of the norm outputs: nothing to recompute.
-        if isinstance(residual, torch.Tensor) and isinstance(placed, torch.Tensor):
-            recompute = not autocast_recasts(placed.device.type, residual.dtype)
-    with recompute_norm_outputs(recompute):
-        outputs = base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            return_dict=True,
-            **kwargs,
-        )
-
-    hidden_states = _positions_to_keep(outputs.last_hidden_state, logits_to_keep)
-    lm_head = self.get_output_embeddings()
-    # What gives the logits on the unfused path: the output embedding, or the head module
-    # holding it while compiling (the stop hook of output_embedding_input cannot be traced).
-    logits_head = lm_head
-    if spec.head_transform_attr is not None:
-        hidden_states = getattr(self, spec.head_transform_attr)(hidden_states)
-    elif spec.head_call_attr is not None and torch.compiler.is_compiling():
-        logits_head = getattr(self, spec.head_call_attr)
-    elif spec.head_call_attr is not None:
-        hidden_states = output_embedding_input(getattr(self, spec.head_call_attr), lm_head, hidden_states)
-    has_targets = labels is not None or shift_labels is not None
+    """The body of every forward :func:`fused_loss_forward` builds (arguments documented there):
+    the five steps, each a function of this module."""
+    inputs = forward_inputs(self.config, spec, labels, past_key_values, kwargs)
+    router_logits = False
+    requested_router_logits = kwargs.pop("output_router_logits", None)
+    if spec.is_moe:
+        router_logits = kwargs["output_router_logits"] = router_logits_wanted(spec, self.config,
+                                                                              requested_router_logits)
+    outputs = decoder_outputs(self, spec, inputs.past_key_values, input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    features, lm_head, logits_head = head_features(self, spec, outputs.last_hidden_state, logits_to_keep)
     if skip_logits is None:
-        skip_logits = self.training and has_targets
-    if skip_logits and not has_targets:
+        skip_logits = self.training and inputs.has_targets
+    if skip_logits and not inputs.has_targets:
         raise ValueError("skip_logits=True needs `labels` or `shift_labels` to compute the loss from.")
-
-    softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
-    scale = None
-    if spec.logit_scale_attr is not None:
-        scale = _model_or_config(self, text_config, spec.logit_scale_attr)
-        scale = 1.0 / scale if spec.logit_scale_divides else scale
-    # The fused kernel reads lm_head.weight/bias directly; a wrapped head (a PEFT LoRA or
-    # modules_to_save wrapper, a quantised linear) computes something else, so it gets the
-    # exact unfused path instead, and so does a head whose forward something other than
-    # accelerate replaced on the instance. An accelerate hook (device_map dispatch, offload)
-    # is kept: call_with_full_parameters runs the loss inside it, after its pre-forward has
-    # moved the inputs and loaded the weights. (fully_shard turns an nn.Linear into an
-    # FSDPLinear subclass: still fusable.)
-    is_linear = unwrapped_class(lm_head) is torch.nn.Linear
-    replaced = forward_is_wrapped(lm_head) and not accelerate_hooked(lm_head)
-    fusable = is_linear and not replaced and logits_head is lm_head
-    if skip_logits and not is_linear:
-        _warn_once(f"lm_head is a {type(lm_head).__name__}, not an nn.Linear: computing the loss from logits.")
-    elif skip_logits and replaced:
-        _warn_once("lm_head's forward is replaced on the instance (not by an accelerate hook): "
-                   "computing the loss from logits.")
-    loss = None
-    logits = None
-    if skip_logits and fusable:
-        if shift_labels is None:
-            shift_labels = shift_causal_labels(labels, ignore_index)
-        kept = hidden_states.shape[:-1]
-        # (batch, positions) targets for (batch, positions) kept; a boolean logits_to_keep
-        # mask keeps (num_true,) rows, matched like HF's loss does: by the flattened count.
-        if shift_labels.shape != kept and not (len(kept) == 1 and shift_labels.numel() == kept[0]):
-            raise ValueError(
-                f"labels/shift_labels of shape {tuple(shift_labels.shape)} do not match the "
-                f"{tuple(kept)} positions kept by logits_to_keep={logits_to_keep!r}"
-            )
-        # Under FSDP2 (lm_head sharded on its own), DeepSpeed ZeRO-3 or accelerate offload the
-        # weight is only materialised inside lm_head's own call: run the fused loss as that call.
-        scaled = hidden_states if scale is None else hidden_states * scale
-        loss = call_with_full_parameters(
-            lm_head,
-            _fused_lm_head_loss,
-            scaled.reshape(-1, scaled.shape[-1]),
-            shift_labels.reshape(-1).to(hidden_states.device),
-            ignore_index=ignore_index,
-            reduction="sum" if num_items_in_batch is not None else "mean",
-            softcap=softcap,
-        )
-        if num_items_in_batch is not None:
-            loss = _divide_by_items(loss, num_items_in_batch)
+    transform = LogitTransform.of(self, spec)
+    loss = logits = None
+    if skip_logits and may_fuse(lm_head, logits_head, skip_logits):
+        loss = fused_loss(lm_head, features, inputs, transform, logits_to_keep)
     else:
-        logits = logits_head(hidden_states)
-        if scale is not None:
-            logits = logits * scale
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        if has_targets:
-            loss_kwargs = {"num_items_in_batch": num_items_in_batch, "ignore_index": ignore_index}
-            if shift_labels is not None:
-                loss_kwargs["shift_labels"] = shift_labels
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size,
-                                      **loss_kwargs)
-            if num_items_in_batch is None:
-                loss = _zero_if_nothing_counted(loss, labels, shift_labels, ignore_index)
+        logits = transform(logits_head(features))
+        if inputs.has_targets:
+            loss = loss_from_logits(self, logits, inputs)
         if skip_logits:
             logits = None
-
-    fields: dict[str, Any] = {
-        "loss": loss,
-        "logits": logits,
-        # Not every decoder has them (a state-space model's outputs have no attentions).
-        "hidden_states": getattr(outputs, "hidden_states", None),
-        "attentions": getattr(outputs, "attentions", None),
-    }
-    output_class = CausalLMOutputWithPast
-    if is_moe:
-        output_class = MoeCausalLMOutputWithPast
-    if spec.output_class is not None:
-        output_class = _qualified(spec.output_class)
-    if is_moe:
-        aux_loss = None
-        if output_router_logits:
-            aux_loss = _qualified(spec.router_aux_loss_fn)(
-                outputs.router_logits, _model_or_config(self, text_config, spec.num_experts_attr),
-                _model_or_config(self, text_config, "num_experts_per_tok"),
-                attention_mask,
-            )
-            if loss is not None:
-                coef = _model_or_config(self, text_config, spec.aux_loss_coef_attr)
-                loss = loss + coef * aux_loss.to(loss.device)
-        fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
-    fields[_output_cache_field(output_class)] = getattr(outputs, _output_cache_field(type(outputs)), None)
-    if spec.output_class is not None:
-        # The model's own output fields (image hidden states, rope deltas, ...) come from the decoder's.
-        declared = output_class.__dataclass_fields__
-        fields = {name: fields[name] if name in fields else getattr(outputs, name, None) for name in declared}
-
-    output = output_class(**fields)
-    return output if return_dict else output.to_tuple()
+    output = model_output(self, spec, outputs, loss, logits, router_logits, attention_mask)
+    return output if inputs.return_dict else output.to_tuple()
 
 
 def fused_loss_forward(spec: FusedLossSpec = FusedLossSpec()):
@@ -543,7 +590,7 @@ def fused_loss_forward(spec: FusedLossSpec = FusedLossSpec()):
     ``logits_to_keep``, ``attention_mask`` and ``position_ids`` in it.
     """
     # Looked up now (patching or unpickling), not in the forward: torch.compile cannot trace it there.
-    _hf_slice_logits_to_keep()
+    hf_slice_logits_to_keep()
     for name in (spec.output_class, spec.router_aux_loss_fn):
         if name is not None:
             _qualified(name)
