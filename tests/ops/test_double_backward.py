@@ -2,7 +2,7 @@
 
 The backward passes run Triton kernels (or overwrite buffers) that autograd cannot see
 through, so a second derivative through them would be wrong. Their backward is
-``once_differentiable`` (``ops.autograd.once_differentiable``): under ``create_graph=True`` the
+``strictly_once_differentiable`` (``ops.autograd.strictly_once_differentiable``): under ``create_graph=True`` the
 first-order gradients come out as usual, and differentiating them again raises instead of
 silently returning a second derivative without the op's part. Checked with incoming
 gradients that do not require grad (the gradient of a linear objective, where torch's own

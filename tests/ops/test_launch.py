@@ -1,4 +1,4 @@
-"""ops.launch.launch_kernel: the cached-specialisation launch gives what ``kernel[grid]`` gives.
+"""ops.cached_launch.launch_kernel: the cached-specialisation launch gives what ``kernel[grid]`` gives.
 
 On the GPU the second launch with the same argument properties skips Triton's lookup; these
 tests check that it still launches the right specialisation when alignment, integer
@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops import launch as utils
+from liger_kernel.ops import cached_launch
+from liger_kernel.ops.cached_launch import KernelLaunchConfig, _argument_key, launch_kernel
 from liger_kernel.ops.config import launch_config, override_launch_config
-from liger_kernel.ops.launch import KernelLaunchConfig, _argument_key, is_interpreter, launch_kernel
+from liger_kernel.ops.launch import is_interpreter
 from tests.utils import DEVICE
 
 FAST = not is_interpreter() and launch_config(KernelLaunchConfig).cached
@@ -61,8 +62,8 @@ class _CountTritonCalls:
 
 @pytest.fixture
 def fresh_cache(monkeypatch):
-    monkeypatch.setattr(utils, "_LAUNCH_CACHE", {})
-    return utils
+    monkeypatch.setattr(cached_launch, "_LAUNCH_CACHE", {})
+    return cached_launch
 
 
 def test_repeated_launches_match_and_skip_triton(monkeypatch, fresh_cache):
@@ -193,8 +194,8 @@ def stand_in(monkeypatch):
         return compiled
 
     monkeypatch.setattr(kernel, "run", triton_run)
-    monkeypatch.setattr(utils, "is_interpreter", lambda: False)
-    monkeypatch.setattr(utils, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(cached_launch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(cached_launch, "_LAUNCH_CACHE", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     with override_launch_config(KernelLaunchConfig, cached=True):
@@ -235,10 +236,10 @@ def test_cached_launch_defers_to_triton(stand_in, monkeypatch):
     kernel, compiled, triton_calls = stand_in
     x = torch.zeros(64)
     launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32)
-    monkeypatch.setattr(utils, "_launch_hooks_set", lambda: True)  # a profiler hook installed
+    monkeypatch.setattr(cached_launch, "_launch_hooks_set", lambda: True)  # a profiler hook installed
     launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32)
     assert len(triton_calls) == 2 and not compiled.direct_calls
-    monkeypatch.setattr(utils, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(cached_launch, "_launch_hooks_set", lambda: False)
     for _ in range(2):  # an argument kind without a key (a string) is never cached
         launch_kernel(kernel, (1,), x, "text", 0.5, BLOCK=32)
     launch_kernel(kernel, (1,), x, 96, 0.5, BLOCK=32)

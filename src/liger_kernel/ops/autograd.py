@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -46,9 +49,10 @@ def _warn_unanchored_second_derivative(function_name: str) -> None:
     )
 
 
-def once_differentiable(backward):
+def strictly_once_differentiable(backward):
     """``torch.autograd.function.once_differentiable`` for an autograd Function's backward,
-    closing the gaps through which a second derivative comes out silently wrong.
+    closing the gaps through which a second derivative comes out silently wrong (hence its
+    own name: it is stricter than torch's decorator).
 
     torch's decorator runs the backward without grad and, under ``create_graph=True``, marks
     the gradients so that differentiating them raises, but only when an incoming gradient
@@ -109,3 +113,30 @@ class EagerUnderCompile:
 @torch.compiler.disable
 def _apply_eagerly(cls, *args, **kwargs):
     return super(EagerUnderCompile, cls).apply(*args, **kwargs)
+
+
+# The name the modules being rewritten elsewhere still import; new code uses the name above.
+once_differentiable = strictly_once_differentiable
+
+
+class InputGradients:
+    """The tuple an autograd Function's backward returns, laid out from its forward's signature:
+    one entry per parameter after ``ctx``, the gradients named in the call, None elsewhere.
+
+    Built once per Function, right after its class (``_GRADS = InputGradients(MyFunction.forward)``),
+    so no count of trailing Nones is kept by hand; a call only builds a tuple (which Dynamo
+    traces). ``_GRADS()`` is the all-None tuple of a backward with nothing to compute.
+    """
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        parameters = list(inspect.signature(forward).parameters.values())[1:]
+        variadic = [p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if variadic:
+            raise TypeError(f"{forward.__qualname__} takes *{variadic[0]}: its inputs cannot be counted")
+        self.names = tuple(p.name for p in parameters)
+
+    def __call__(self, **gradients: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        unknown = [name for name in gradients if name not in self.names]
+        if unknown:
+            raise TypeError(f"no forward input named {unknown[0]!r}; the inputs are {', '.join(self.names)}")
+        return tuple(gradients.get(name) for name in self.names)

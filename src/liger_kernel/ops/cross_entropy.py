@@ -56,10 +56,10 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import check_float_dtype, check_same_device
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import (
-    launch_kernel,
     liger_custom_op,
     num_programs_for_rows,
     row_launch_settings,

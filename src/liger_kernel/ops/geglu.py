@@ -31,7 +31,7 @@ GEGLU_OPS = make_gated_ops("geglu", GELU_TANH)
 GATED_OPS[GELU_TANH] = GEGLU_OPS
 
 
-class LigerGELUMulFunction(gated_mul_function(GEGLU_OPS)):
+class LigerGELUMulFunction(gated_mul_function(GEGLU_OPS)):  # type: ignore[misc]  # a base built per ops
     """``h = gelu_tanh(a) * b`` (GeGLU's gating).
 
     ``apply(a, b, in_place=False)``: ``a`` (gate) and ``b`` (up) of one shape (..., I) and

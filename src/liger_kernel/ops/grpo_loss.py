@@ -44,10 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import check_float_dtype, check_tensor
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.launch import is_interpreter, launch_kernel, liger_custom_op
+from liger_kernel.ops.launch import is_interpreter, liger_custom_op
 from liger_kernel.ops.numerics import round_to_dtype
 from liger_kernel.ops.vocab_rows import VocabRowConfig, check_devices, is_meta, run_launcher
 
@@ -310,11 +311,11 @@ class LigerSelectiveLogSoftmaxFunction(torch.autograd.Function):
         return logp.view(lead), entropy.view(lead)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
         logits, input_ids, mask, lse, entropy = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return (None,) * 6
+            return _SELECTIVE_LOG_SOFTMAX_GRADS()
         rows3, ids2, mask2 = _as_positions(logits, input_ids, mask, ctx.drop_last_position)
         shape2 = rows3.shape[:2]
         if input_ids is None:
@@ -325,7 +326,10 @@ class LigerSelectiveLogSoftmaxFunction(torch.autograd.Function):
         grad_entropy = None if grad_entropy is None else grad_entropy.reshape(shape2).float().contiguous()
         dx = run_launcher(selective_log_softmax_backward, rows3, ids2, mask2, grad_logp, grad_entropy, lse,
                           entropy, ctx.temperature, int(ctx.drop_last_position))
-        return dx.view(logits.shape), None, None, None, None, None
+        return _SELECTIVE_LOG_SOFTMAX_GRADS(logits=dx.view(logits.shape))
+
+
+_SELECTIVE_LOG_SOFTMAX_GRADS = InputGradients(LigerSelectiveLogSoftmaxFunction.forward)
 
 
 def _as_positions(logits, ids, mask, drop_last_position=False):

@@ -38,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.launch import is_interpreter, launch_kernel, liger_custom_op
+from liger_kernel.ops.launch import is_interpreter, liger_custom_op
 from liger_kernel.ops.loss_options import check_ignore_index
 from liger_kernel.ops.numerics import round_to_dtype
 from liger_kernel.ops.scaling import scale_gradient
@@ -57,6 +58,8 @@ from liger_kernel.ops.vocab_rows import (
 
 # MODE of the kernel, from beta.
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
+# The same values for the kernels (a @triton.jit function reads only constexpr globals).
+_FORWARD_KL, _REVERSE_KL = tl.constexpr(FORWARD_KL), tl.constexpr(REVERSE_KL)
 
 
 class JSDConfig(VocabRowConfig):
@@ -69,10 +72,10 @@ def _jsd_terms(x, y, log_beta, log_one_minus_beta, beta, MODE: tl.constexpr):
     for the mixture, and the loss element is returned separately for the two KL ends."""
     q = tl.exp(x)
     p = tl.exp(y)
-    if MODE == 0:
+    if MODE == _FORWARD_KL:
         p_term = tl.where(p > 0.0, p * (y - x), 0.0)
         return -p, p_term + p, p_term
-    elif MODE == 1:
+    elif MODE == _REVERSE_KL:
         q_term = tl.where(q > 0.0, q * (x - y), 0.0)
         return q_term + q, -q, q_term
     else:
@@ -216,10 +219,10 @@ class LigerJSDFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         dx, dy = ctx.saved_tensors
-        grads = []
+        grads: list[torch.Tensor | None] = []
         for grad, shape in zip((dx, dy), ctx.shapes):
             if grad is None:
                 grads.append(None)
@@ -227,4 +230,7 @@ class LigerJSDFunction(torch.autograd.Function):
                 grads.append((grad * grad_loss).view(shape))
             else:
                 grads.append(scale_gradient(grad, grad_loss).detach().view(shape))
-        return grads[0], grads[1], None, None, None
+        return _JSD_GRADS(input=grads[0], target=grads[1])
+
+
+_JSD_GRADS = InputGradients(LigerJSDFunction.forward)

@@ -27,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.launch import is_interpreter, launch_kernel, liger_custom_op
+from liger_kernel.ops.launch import is_interpreter, liger_custom_op
 from liger_kernel.ops.numerics import round_to_dtype
 from liger_kernel.ops.vocab_rows import (
     VocabRowConfig,
@@ -202,13 +203,13 @@ class LigerKLDivLossFunction(torch.autograd.Function):
         return out.sum() / _reduction_denominator(input.shape, reduction)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         input, target = ctx.saved_tensors
         reduction, log_target, eps = ctx.options
         compute_dx, compute_dt = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
         if not (compute_dx or compute_dt):
-            return None, None, None, None, None
+            return _KL_DIV_GRADS()
         x = as_vocab_rows(input)
         t = as_vocab_rows(target)
         if reduction == "none":
@@ -217,5 +218,8 @@ class LigerKLDivLossFunction(torch.autograd.Function):
             grad = grad_output.reshape(1)
         dx, dt = run_launcher(kl_div_backward, x, t, grad, 1.0 / _reduction_denominator(input.shape, reduction),
                               log_target, eps, compute_dx, compute_dt)
-        return (dx.view(input.shape) if compute_dx else None, dt.view(target.shape) if compute_dt else None,
-                None, None, None)
+        return _KL_DIV_GRADS(input=dx.view(input.shape) if compute_dx else None,
+                             target=dt.view(target.shape) if compute_dt else None)
+
+
+_KL_DIV_GRADS = InputGradients(LigerKLDivLossFunction.forward)

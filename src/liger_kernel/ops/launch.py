@@ -1,4 +1,5 @@
-"""Launching Triton kernels: geometry heuristics, cached launches and custom-op registration.
+"""Launching Triton kernels: geometry heuristics and custom-op registration (the launch itself,
+past Triton's per-call specialisation, is :mod:`liger_kernel.ops.cached_launch`).
 
 * :func:`is_interpreter` - whether Triton runs kernels through its CPU interpreter
   (``TRITON_INTERPRET=1``), which is how the whole test suite runs without a GPU.
@@ -6,22 +7,17 @@
   row width; rows wider than :data:`MAX_FUSED_BLOCK` are processed in a loop over
   column blocks instead of one giant register tile (which would spill).
 * :func:`num_programs_for_rows` - grid size for persistent row kernels.
-* :func:`launch_kernel` - ``kernel[grid](...)`` with Triton's specialisation looked up once.
 * :func:`liger_custom_op` - registers a launcher as an opaque ``torch.library`` custom op.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections.abc import Sequence
 
 import torch
-import triton
 from torch._subclasses.fake_tensor import is_fake
-
-from liger_kernel.ops.config import LaunchConfig, launch_config
 
 # Widest row handled as a single register tile. Above it kernels loop over column
 # blocks of this width: a 64K-wide fp32 tile per program exhausts the register file
@@ -30,6 +26,7 @@ MAX_FUSED_BLOCK = 8192
 
 # Largest block any kernel may allocate (Triton's per-tensor element limit is 2**20).
 MAX_BLOCK = 65536
+
 
 @functools.cache
 def is_interpreter() -> bool:
@@ -112,134 +109,6 @@ def tile_rows_and_warps(n_rows: int, row_elements: int, tile_elements: int) -> t
     block_rows = min(max(1, tile_elements // row_elements), next_power_of_2(n_rows))
     _, num_warps = row_launch_settings(block_rows * row_elements, max_block=MAX_BLOCK)
     return block_rows, num_warps
-
-
-# --------------------------------------------------------------------------------------
-# Kernel launch with a cached specialisation.
-#
-# ``kernel[grid](*args)`` costs tens of microseconds of host time in Triton: it reads its
-# knobs, specialises every argument, builds a string cache key and looks the compiled kernel
-# up. A training step launches the same few kernels with the same argument properties
-# hundreds of times, and when the GPU outpaces Python that host time shows as GPU idle time
-# (docs/performance.md has the figure). ``launch_kernel`` does Triton's lookup once per distinct
-# specialisation and afterwards calls the compiled kernel's launcher directly.
-# --------------------------------------------------------------------------------------
-
-_I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
-
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelLaunchConfig(LaunchConfig):
-    """How :func:`launch_kernel` starts a kernel.
-
-    ``cached``: reuse Triton's specialisation after the first launch (the default). The
-    environment variable ``LIGER_KERNEL_FAST_LAUNCH=0``, read once at import, makes the
-    default False (every launch through ``kernel[grid]``: for A/B measurements of host time
-    and as an escape hatch); ``override_launch_config(KernelLaunchConfig, cached=...)``
-    switches it within a block.
-    """
-
-    cached: bool = True
-
-    @classmethod
-    def heuristic(cls) -> KernelLaunchConfig:
-        return _DEFAULT_KERNEL_LAUNCH
-
-
-_DEFAULT_KERNEL_LAUNCH = KernelLaunchConfig(
-    cached=os.environ.get("LIGER_KERNEL_FAST_LAUNCH", "1") not in ("0", ""))
-
-
-def _argument_key(arg: object) -> object:
-    """Everything Triton specialises a runtime argument on, or a superset of it.
-
-    Tensors: dtype and 16-byte alignment of the data pointer. Integers: whether the value
-    is 1, divisible by 16, and which integer type holds it. Floats and bools are not
-    specialised on value; None is a constant. Returns ``NotImplemented`` for anything else
-    (that launch takes Triton's own path).
-    """
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() & 15 == 0)
-    kind = type(arg)
-    if kind is int:
-        width = 32 if _I32_MIN <= arg <= _I32_MAX else (64 if _I32_MIN <= arg <= _I64_MAX else 65)
-        return (width, arg == 1, arg & 15 == 0)
-    if kind is float or kind is bool or arg is None:
-        return kind
-    return NotImplemented
-
-
-class _CachedLaunch:
-    """A compiled kernel and where each of its parameters comes from in a call."""
-
-    __slots__ = ("compiled", "keyword_names", "defaults")
-
-    def __init__(self, kernel, compiled, n_positional: int) -> None:
-        self.compiled = compiled
-        names = list(kernel.arg_names)
-        # Parameters after the positional ones, in signature order: taken from the call's
-        # keywords or, if absent there, the signature default.
-        self.keyword_names = tuple(names[n_positional:])
-        parameters = kernel.signature.parameters
-        self.defaults = {name: parameters[name].default for name in self.keyword_names}
-
-
-_LAUNCH_CACHE: dict[tuple, _CachedLaunch] = {}
-
-
-def _hook_installed(hook: object) -> bool:
-    # Triton <= 3.5 keeps None or a callable here; 3.6 an always-present chain of hooks.
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _launch_hooks_set() -> bool:
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None:
-        return True  # an older Triton without knobs: keep its own launch path
-    return _hook_installed(runtime.launch_enter_hook) or _hook_installed(runtime.launch_exit_hook)
-
-
-def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` with Triton's per-call specialisation cached.
-
-    ``args`` are the kernel's leading runtime parameters in order; ``kwargs`` its constexpr
-    parameters (by name) and launch options (``num_warps``, ``num_stages``, ...). The first
-    call with a given kernel, device, option set and argument properties (see
-    :func:`_argument_key`) goes through Triton, which compiles or finds the kernel; later
-    calls with the same properties launch that compiled kernel directly on the current
-    stream. Under the interpreter, with launch hooks installed (profilers), for arguments
-    of other kinds or with ``LIGER_KERNEL_FAST_LAUNCH=0``, every call goes through Triton.
-    Returns what Triton returns for the launch (the compiled kernel; None under the
-    interpreter).
-    """
-    if (is_interpreter() or not launch_config(KernelLaunchConfig).cached or not isinstance(kernel, triton.runtime.JITFunction)
-            or type(grid) is not tuple):
-        return kernel[grid](*args, **kwargs)
-    arg_keys = tuple(map(_argument_key, args))
-    if NotImplemented in arg_keys:
-        return kernel[grid](*args, **kwargs)
-    device = torch.cuda.current_device()
-    try:
-        key = (kernel, device, arg_keys, tuple(kwargs.items()))
-        cached = _LAUNCH_CACHE.get(key)
-    except TypeError:  # an unhashable keyword value
-        return kernel[grid](*args, **kwargs)
-    if cached is None or _launch_hooks_set():
-        compiled = kernel[grid](*args, **kwargs)
-        if cached is None and hasattr(compiled, "result"):
-            compiled = compiled.result()
-        if cached is None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-            _LAUNCH_CACHE[key] = _CachedLaunch(kernel, compiled, len(args))
-        return compiled
-    defaults = cached.defaults
-    tail = [kwargs[name] if name in kwargs else defaults[name] for name in cached.keyword_names]
-    compiled = cached.compiled
-    n = len(grid)
-    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                 torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *tail)
-    return compiled
 
 
 # --------------------------------------------------------------------------------------

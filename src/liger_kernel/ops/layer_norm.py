@@ -54,10 +54,11 @@ from typing import Optional, Tuple  # Optional, not "X | None", in custom-op sch
 
 import torch
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import as_rows
 from liger_kernel.ops.grad_ownership import backward_writes_into_grad
-from liger_kernel.ops.launch import launch_kernel, liger_custom_op
+from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.row_norm import (
     ROW_NORM_CAST_FP32,
     check_row_norm_args,
@@ -152,11 +153,14 @@ class LigerLayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         X, W, B, mean, rstd = ctx.saved_tensors
         write_into_grad = backward_writes_into_grad(ctx.in_place, grad_output, X)
         grad_x, grad_w, grad_b = layer_norm_backward(grad_output, X, W, B, mean, rstd, write_into_grad)
         if write_into_grad:
             grad_x = grad_output
-        return grad_x, grad_w, (grad_b if B is not None else None), None, None
+        return _LAYER_NORM_GRADS(X=grad_x, W=grad_w, B=grad_b if B is not None else None)
+
+
+_LAYER_NORM_GRADS = InputGradients(LigerLayerNormFunction.forward)

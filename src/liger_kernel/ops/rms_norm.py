@@ -65,10 +65,11 @@ from typing import Tuple
 
 import torch
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import as_rows
 from liger_kernel.ops.grad_ownership import backward_writes_into_grad
-from liger_kernel.ops.launch import launch_kernel, liger_custom_op
+from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.row_norm import (
     ROW_NORM_CAST_FP32,
     ROW_NORM_CAST_LLAMA,
@@ -185,7 +186,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         X, W, rstd = ctx.saved_tensors
         write_into_grad = backward_writes_into_grad(ctx.in_place, grad_output, X)
@@ -193,4 +194,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
                                            write_into_grad)
         if write_into_grad:
             grad_x = grad_output
-        return grad_x, grad_w, None, None, None, None
+        return _RMS_NORM_GRADS(X=grad_x, W=grad_w)
+
+
+_RMS_NORM_GRADS = InputGradients(LigerRMSNormFunction.forward)

@@ -70,7 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import (
     check_float_dtype,
     check_same_device,
@@ -81,7 +82,6 @@ from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     cdiv,
     is_interpreter,
-    launch_kernel,
     liger_custom_op,
     next_power_of_2,
     tile_rows_and_warps,
@@ -505,11 +505,14 @@ class LigerRopeFunction(torch.autograd.Function):
         return q_embed, k_embed
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_q_embed: torch.Tensor, grad_k_embed: torch.Tensor):
         cos, sin = ctx.saved_tensors
         if ctx.transposed:
             grad_q_embed, grad_k_embed = grad_q_embed.transpose(1, 2), grad_k_embed.transpose(1, 2)
         grad_q, grad_k = rope_rotate(grad_q_embed, grad_k_embed, cos, sin, *ctx.orders, ctx.transposed, True,
                                      *ctx.flags)
-        return grad_q, grad_k, None, None, None, None, None
+        return _ROPE_GRADS(q=grad_q, k=grad_k)
+
+
+_ROPE_GRADS = InputGradients(LigerRopeFunction.forward)

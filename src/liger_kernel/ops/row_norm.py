@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import (
     as_rows,
     check_float_dtype,
@@ -49,7 +50,6 @@ from liger_kernel.ops.launch import (
     _persistent_grid,
     cdiv,
     is_interpreter,
-    launch_kernel,
     multiprocessor_count,
     next_power_of_2,
     row_launch_settings,
@@ -60,6 +60,9 @@ from liger_kernel.ops.numerics import round_to_dtype
 ROW_NORM_CAST_NONE = 0  # every step rounded to the input dtype, as torch would compute in that dtype
 ROW_NORM_CAST_LLAMA = 1  # statistics in fp32, xhat rounded to the input dtype, then times the weight
 ROW_NORM_CAST_FP32 = 2  # everything in fp32, rounded once on output (Gemma RMSNorm, LayerNorm)
+# The same values for the kernels (a @triton.jit function reads only constexpr globals).
+_CAST_NONE = tl.constexpr(ROW_NORM_CAST_NONE)
+_CAST_LLAMA = tl.constexpr(ROW_NORM_CAST_LLAMA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,8 +289,8 @@ def _div(total, count):
 
 @triton.jit
 def _row_norm_square(x, dtype: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
-    """x**2 for the mean of squares; rounded to the input dtype in CASTING 0, as ``x.pow(2)`` is there."""
-    if CASTING == 0:
+    """x**2 for the mean of squares; rounded to the input dtype in ``_CAST_NONE``, as ``x.pow(2)`` is there."""
+    if CASTING == _CAST_NONE:
         return round_to_dtype(x * x, dtype, ROUND_BY_HAND)
     else:
         return x * x
@@ -297,12 +300,12 @@ def _row_norm_square(x, dtype: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAN
 def _row_norm_rstd(sum_sq, n_cols, eps, dtype: tl.constexpr, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """1/sqrt(mean + eps) from the row's sum of squares (accumulated in fp32).
 
-    CASTING 0 rounds as torch does computing ``rsqrt(x.pow(2).mean() + eps)`` in the input
+    ``_CAST_NONE`` rounds as torch does computing ``rsqrt(x.pow(2).mean() + eps)`` in the input
     dtype: the mean, the sum with eps and the rsqrt each rounded to it. Without that, rstd
     can differ from torch's by an ulp of the dtype, which shows as up to 3 ulps in y.
     """
     mean_sq = _div(sum_sq, n_cols)
-    if CASTING == 0:
+    if CASTING == _CAST_NONE:
         mean_sq = round_to_dtype(mean_sq, dtype, ROUND_BY_HAND)
         return round_to_dtype(tl.rsqrt(round_to_dtype(mean_sq + eps, dtype, ROUND_BY_HAND)), dtype, ROUND_BY_HAND)
     else:
@@ -315,12 +318,12 @@ def _row_norm_scale_store(Y_ptrs, X, W, B, cols, col_mask, mask, xc, rstd, offse
     """y = xhat * (w + offset) [+ b] for one tile, rounded as CASTING says, stored to Y_ptrs."""
     in_dtype = X.dtype.element_ty
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    if CASTING == 0:
+    if CASTING == _CAST_NONE:
         # Emulates computing in the input dtype: each product rounded to it.
         rstd_in = round_to_dtype(rstd, in_dtype, ROUND_BY_HAND)
         xhat = round_to_dtype(xc * rstd_in[:, None], in_dtype, ROUND_BY_HAND)
         w = round_to_dtype(w, in_dtype, ROUND_BY_HAND)
-    elif CASTING == 1:
+    elif CASTING == _CAST_LLAMA:
         xhat = round_to_dtype(xc * rstd[:, None], in_dtype, ROUND_BY_HAND)
     else:
         xhat = xc * rstd[:, None]
@@ -410,7 +413,7 @@ def row_norm_forward_kernel(
 def _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     """(w + offset) in fp32 for one column block, rounded as the forward used it."""
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    if CASTING == 0:
+    if CASTING == _CAST_NONE:
         w = round_to_dtype(w, X.dtype.element_ty, ROUND_BY_HAND)
     return w
 
@@ -426,11 +429,11 @@ def _row_norm_grad_terms(dy_raw, x_raw, X, w, mask, mean, rstd,
         xc = tl.where(mask, xc - mean[:, None], 0.0)
     xhat = xc * rstd[:, None]
     g = dy * w[None, :]
-    if CASTING == 0:
+    if CASTING == _CAST_NONE:
         g = round_to_dtype(g, in_dtype, ROUND_BY_HAND)
         xhat_w = round_to_dtype(xc * round_to_dtype(rstd, in_dtype, ROUND_BY_HAND)[:, None], in_dtype,
                                  ROUND_BY_HAND)
-    elif CASTING == 1:
+    elif CASTING == _CAST_LLAMA:
         # Autograd through HF's `.to(input_dtype)` rounds dL/dxhat to the input dtype.
         g = round_to_dtype(g, in_dtype, ROUND_BY_HAND)
         xhat_w = round_to_dtype(xhat, in_dtype, ROUND_BY_HAND)
@@ -456,6 +459,151 @@ def _row_norm_grad_column_tile(dy_rows, x_rows, W, X, start, n_cols, row_mask, m
 
 
 @triton.jit
+def _row_norm_load_tile(DY, X, RSTD, MEAN, rows64, cols, col_mask, n_rows, dy_row_stride, x_row_stride,
+                        BLOCK_ROWS: tl.constexpr, CENTER: tl.constexpr):
+    """The raw dy and x of a tile of rows (zeros past ``n_rows``) and the rows' rstd and mean
+    (zeros without CENTER)."""
+    row_mask = rows64 < n_rows
+    mask = row_mask[:, None] & col_mask[None, :]
+    dy_raw = tl.load(DY + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    x_raw = tl.load(X + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+    mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    if CENTER:
+        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+    return dy_raw, x_raw, rstd, mean
+
+
+@triton.jit
+def _row_norm_dx(g, xhat, proj, g_mean, rstd, DX, CENTER: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    """dx = rstd * (g - xhat * mean(g * xhat) [- mean(g)]) in DX's dtype, from the row means
+    ``proj`` and ``g_mean`` (the latter read only with CENTER)."""
+    dx = g - xhat * proj[:, None]
+    if CENTER:
+        dx -= g_mean[:, None]
+    dx = dx * rstd[:, None]
+    if ROUND_BY_HAND:
+        dx = round_to_dtype(dx, DX.dtype.element_ty, ROUND_BY_HAND)
+    return dx.to(DX.dtype.element_ty)
+
+
+@triton.jit
+def _row_norm_backward_one_block(
+    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, pid, n_programs, n_tiles, partial_row,
+    n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
+    CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr, PREFETCH: tl.constexpr, ROW_ACCUMULATOR: tl.constexpr,
+):
+    """:func:`row_norm_backward_kernel` for rows that fit one column block: each tile is loaded
+    once, dx stored, and dW (dB) accumulated in registers over the program's tiles."""
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)  # once per program
+    # ROW_ACCUMULATOR: accumulated per tile row and summed over rows once at the end,
+    # for tiles whose rows lie in different warps (e.g. 4 x 2048 at 16 warps: 2 x 8),
+    # where a per-tile sum over rows costs a cross-warp (shared memory) reduction.
+    if ROW_ACCUMULATOR:
+        dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    else:
+        dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    # Software prefetch: the loads of this program's next tile are issued before the
+    # current tile's reductions and stores, so a persistent program keeps memory busy
+    # instead of alternating load latency and compute (the loop carries the raw tiles).
+    # The row statistics travel with the tile: a load of rstd (and mean) issued only when
+    # the tile is processed would expose a full memory latency once per tile.
+    if PREFETCH:
+        next_dy, next_x, next_rstd, next_mean = _row_norm_load_tile(
+            DY, X, RSTD, MEAN, (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64), cols, col_mask, n_rows,
+            dy_row_stride, x_row_stride, BLOCK_ROWS, CENTER)
+    for tile in tl.range(pid, n_tiles, n_programs):
+        rows64 = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        mask = (rows64 < n_rows)[:, None] & col_mask[None, :]
+        if PREFETCH:
+            dy_raw, x_raw, rstd, mean = next_dy, next_x, next_rstd, next_mean
+            next_dy, next_x, next_rstd, next_mean = _row_norm_load_tile(
+                DY, X, RSTD, MEAN, rows64 + n_programs * BLOCK_ROWS, cols, col_mask, n_rows, dy_row_stride,
+                x_row_stride, BLOCK_ROWS, CENTER)
+        else:
+            dy_raw, x_raw, rstd, mean = _row_norm_load_tile(
+                DY, X, RSTD, MEAN, rows64, cols, col_mask, n_rows, dy_row_stride, x_row_stride, BLOCK_ROWS, CENTER)
+        dy, xhat, g, xhat_w = _row_norm_grad_terms(dy_raw, x_raw, X, w, mask, mean, rstd, CENTER, CASTING,
+                                                   ROUND_BY_HAND)
+        proj = _div(tl.sum(g * xhat, axis=1), n_cols)
+        g_mean = proj  # read only with CENTER
+        if CENTER:
+            g_mean = _div(tl.sum(g, axis=1), n_cols)
+        dx = _row_norm_dx(g, xhat, proj, g_mean, rstd, DX, CENTER, ROUND_BY_HAND)
+        tl.store(DX + rows64[:, None] * dx_row_stride + cols[None, :], dx, mask=mask)
+        if ROW_ACCUMULATOR:
+            dw_acc += dy * xhat_w
+            if HAS_BIAS:
+                db_acc += dy
+        else:
+            dw_acc += tl.sum(dy * xhat_w, axis=0)
+            if HAS_BIAS:
+                db_acc += tl.sum(dy, axis=0)
+    dw_total, db_total = dw_acc, db_acc
+    if ROW_ACCUMULATOR:
+        dw_total, db_total = tl.sum(dw_acc, axis=0), tl.sum(db_acc, axis=0)
+    tl.store(DW_PARTIAL + partial_row + cols, dw_total, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial_row + cols, db_total, mask=col_mask)
+
+
+@triton.jit
+def _row_norm_backward_column_blocks(
+    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, pid, n_programs, n_tiles, partial_row,
+    n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
+    CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, CASTING: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+):
+    """:func:`row_norm_backward_kernel` for rows wider than one column block: per tile, pass 1
+    sums ``g * xhat`` (and ``g``) over the column blocks, pass 2 re-reads them for dx and adds the
+    tile's dW (dB) to the program's partial row in memory."""
+    for tile in tl.range(pid, n_tiles, n_programs):
+        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        dy_rows = DY + rows64[:, None] * dy_row_stride
+        x_rows = X + rows64[:, None] * x_row_stride
+        dx_rows = DX + rows64[:, None] * dx_row_stride
+        rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+        mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        if CENTER:
+            mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+        # Pass 1: the row sums the gradient needs, sum(g * xhat) and sum(g).
+        proj_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        g_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols, col_mask, mask, dy, xhat, g, xhat_w = _row_norm_grad_column_tile(
+                dy_rows, x_rows, W, X, start, n_cols, row_mask, mean, rstd, offset, BLOCK_COLS, CENTER, CASTING,
+                ROUND_BY_HAND)
+            proj_acc += g * xhat
+            if CENTER:
+                g_acc += g
+        proj = _div(tl.sum(proj_acc, axis=1), n_cols)
+        g_mean = _div(tl.sum(g_acc, axis=1), n_cols)
+        # Pass 2: dx, and this program's partial dW/dB (its own buffer row, so the
+        # read-modify-write needs no atomics; the first tile overwrites garbage).
+        first = tile == pid
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols, col_mask, mask, dy, xhat, g, xhat_w = _row_norm_grad_column_tile(
+                dy_rows, x_rows, W, X, start, n_cols, row_mask, mean, rstd, offset, BLOCK_COLS, CENTER, CASTING,
+                ROUND_BY_HAND)
+            tl.store(dx_rows + cols[None, :], _row_norm_dx(g, xhat, proj, g_mean, rstd, DX, CENTER, ROUND_BY_HAND),
+                     mask=mask)
+            dw_ptrs = DW_PARTIAL + partial_row + cols
+            dw_prev = tl.where(first, 0.0, tl.load(dw_ptrs, mask=col_mask, other=0.0))
+            tl.store(dw_ptrs, dw_prev + tl.sum(dy * xhat_w, axis=0), mask=col_mask)
+            if HAS_BIAS:
+                db_ptrs = DB_PARTIAL + partial_row + cols
+                db_prev = tl.where(first, 0.0, tl.load(db_ptrs, mask=col_mask, other=0.0))
+                tl.store(db_ptrs, db_prev + tl.sum(dy, axis=0), mask=col_mask)
+
+
+@triton.jit
 def row_norm_backward_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
@@ -465,6 +613,8 @@ def row_norm_backward_kernel(
 ):
     """Persistent programs: program p handles tiles p, p + P, ... and writes its fp32 partial
     dW (and dB) to row p of DW_PARTIAL (DB_PARTIAL), so the final sum over P is fixed-order.
+    FUSED: a row fits one column block (:func:`_row_norm_backward_one_block`), else
+    :func:`_row_norm_backward_column_blocks`.
 
     DX may alias DY (in-place backward): every element of DY is read before the same
     program overwrites it, and no other program touches those rows.
@@ -474,130 +624,15 @@ def row_norm_backward_kernel(
     n_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
     partial_row = pid.to(tl.int64) * n_cols
     if FUSED:
-        cols = tl.arange(0, BLOCK_COLS)
-        col_mask = cols < n_cols
-        w = _row_norm_grad_weight(W, X, cols, col_mask, offset, CASTING, ROUND_BY_HAND)  # once per program
-        # ROW_ACCUMULATOR: accumulated per tile row and summed over rows once at the end,
-        # for tiles whose rows lie in different warps (e.g. 4 x 2048 at 16 warps: 2 x 8),
-        # where a per-tile sum over rows costs a cross-warp (shared memory) reduction.
-        if ROW_ACCUMULATOR:
-            dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-            db_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-        else:
-            dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-            db_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
-        # Software prefetch: the loads of this program's next tile are issued before the
-        # current tile's reductions and stores, so a persistent program keeps memory busy
-        # instead of alternating load latency and compute (the loop carries the raw tiles).
-        # The row statistics travel with the tile: a load of rstd (and mean) issued only when
-        # the tile is processed would expose a full memory latency once per tile.
-        if PREFETCH:
-            rows64 = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-            mask = (rows64 < n_rows)[:, None] & col_mask[None, :]
-            next_dy = tl.load(DY + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-            next_x = tl.load(X + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-            next_rstd = tl.load(RSTD + rows64, mask=rows64 < n_rows, other=0.0)
-            next_mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            if CENTER:
-                next_mean = tl.load(MEAN + rows64, mask=rows64 < n_rows, other=0.0)
-        for tile in tl.range(pid, n_tiles, n_programs):
-            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-            row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            mask = row_mask[:, None] & col_mask[None, :]
-            if PREFETCH:
-                dy_raw = next_dy
-                x_raw = next_x
-                rstd = next_rstd
-                mean = next_mean
-                ahead = rows64 + n_programs * BLOCK_ROWS
-                ahead_rows = ahead < n_rows
-                ahead_mask = ahead_rows[:, None] & col_mask[None, :]
-                next_dy = tl.load(DY + ahead[:, None] * dy_row_stride + cols[None, :], mask=ahead_mask, other=0.0)
-                next_x = tl.load(X + ahead[:, None] * x_row_stride + cols[None, :], mask=ahead_mask, other=0.0)
-                next_rstd = tl.load(RSTD + ahead, mask=ahead_rows, other=0.0)
-                if CENTER:
-                    next_mean = tl.load(MEAN + ahead, mask=ahead_rows, other=0.0)
-            else:
-                dy_raw = tl.load(DY + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-                x_raw = tl.load(X + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-                rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-                mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-                if CENTER:
-                    mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-            dy, xhat, g, xhat_w = _row_norm_grad_terms(
-                dy_raw, x_raw, X, w, mask, mean, rstd, CENTER, CASTING, ROUND_BY_HAND)
-            if CENTER:
-                dx = (g - xhat * _div(tl.sum(g * xhat, axis=1), n_cols)[:, None]
-                      - _div(tl.sum(g, axis=1), n_cols)[:, None])
-            else:
-                dx = g - xhat * _div(tl.sum(g * xhat, axis=1), n_cols)[:, None]
-            dx = dx * rstd[:, None]
-            if ROUND_BY_HAND:
-                dx = round_to_dtype(dx, DX.dtype.element_ty, ROUND_BY_HAND)
-            tl.store(DX + rows64[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            if ROW_ACCUMULATOR:
-                dw_acc += dy * xhat_w
-                if HAS_BIAS:
-                    db_acc += dy
-            else:
-                dw_acc += tl.sum(dy * xhat_w, axis=0)
-                if HAS_BIAS:
-                    db_acc += tl.sum(dy, axis=0)
-        if ROW_ACCUMULATOR:
-            dw_total = tl.sum(dw_acc, axis=0)
-            db_total = tl.sum(db_acc, axis=0)
-        else:
-            dw_total = dw_acc
-            db_total = db_acc
-        tl.store(DW_PARTIAL + partial_row + cols, dw_total, mask=col_mask)
-        if HAS_BIAS:
-            tl.store(DB_PARTIAL + partial_row + cols, db_total, mask=col_mask)
+        _row_norm_backward_one_block(
+            DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, pid, n_programs, n_tiles, partial_row,
+            n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
+            CENTER, HAS_BIAS, CASTING, BLOCK_ROWS, BLOCK_COLS, ROUND_BY_HAND, PREFETCH, ROW_ACCUMULATOR)
     else:
-        for tile in tl.range(pid, n_tiles, n_programs):
-            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-            row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            dy_rows = DY + rows64[:, None] * dy_row_stride
-            x_rows = X + rows64[:, None] * x_row_stride
-            dx_rows = DX + rows64[:, None] * dx_row_stride
-            rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-            mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            if CENTER:
-                mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-            # Pass 1: the row sums the gradient needs, sum(g * xhat) and sum(g).
-            proj_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-            g_acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_COLS):
-                cols, col_mask, mask, dy, xhat, g, xhat_w = _row_norm_grad_column_tile(
-                    dy_rows, x_rows, W, X, start, n_cols, row_mask, mean, rstd, offset, BLOCK_COLS, CENTER, CASTING,
-                    ROUND_BY_HAND)
-                proj_acc += g * xhat
-                if CENTER:
-                    g_acc += g
-            proj = _div(tl.sum(proj_acc, axis=1), n_cols)
-            g_mean = _div(tl.sum(g_acc, axis=1), n_cols)
-            # Pass 2: dx, and this program's partial dW/dB (its own buffer row, so the
-            # read-modify-write needs no atomics; the first tile overwrites garbage).
-            first = tile == pid
-            for start in range(0, n_cols, BLOCK_COLS):
-                cols, col_mask, mask, dy, xhat, g, xhat_w = _row_norm_grad_column_tile(
-                    dy_rows, x_rows, W, X, start, n_cols, row_mask, mean, rstd, offset, BLOCK_COLS, CENTER, CASTING,
-                    ROUND_BY_HAND)
-                dx = g - xhat * proj[:, None]
-                if CENTER:
-                    dx -= g_mean[:, None]
-                dx = dx * rstd[:, None]
-                if ROUND_BY_HAND:
-                    dx = round_to_dtype(dx, DX.dtype.element_ty, ROUND_BY_HAND)
-                tl.store(dx_rows + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-                dw_ptrs = DW_PARTIAL + partial_row + cols
-                dw_prev = tl.where(first, 0.0, tl.load(dw_ptrs, mask=col_mask, other=0.0))
-                tl.store(dw_ptrs, dw_prev + tl.sum(dy * xhat_w, axis=0), mask=col_mask)
-                if HAS_BIAS:
-                    db_ptrs = DB_PARTIAL + partial_row + cols
-                    db_prev = tl.where(first, 0.0, tl.load(db_ptrs, mask=col_mask, other=0.0))
-                    tl.store(db_ptrs, db_prev + tl.sum(dy, axis=0), mask=col_mask)
+        _row_norm_backward_column_blocks(
+            DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, pid, n_programs, n_tiles, partial_row,
+            n_rows, n_cols, dy_row_stride, x_row_stride, dx_row_stride, offset,
+            CENTER, HAS_BIAS, CASTING, BLOCK_ROWS, BLOCK_COLS, ROUND_BY_HAND)
 
 
 @triton.jit

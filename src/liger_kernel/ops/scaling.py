@@ -8,10 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     is_interpreter,
-    launch_kernel,
     liger_custom_op,
     num_programs_for_rows,
     row_launch_settings,

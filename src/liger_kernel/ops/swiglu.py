@@ -68,7 +68,8 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import as_rows, check_float_dtype, check_same_device, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.grad_ownership import unpack_private_activations
@@ -76,7 +77,6 @@ from liger_kernel.ops.launch import (
     MAX_BLOCK,
     cdiv,
     is_interpreter,
-    launch_kernel,
     liger_custom_op,
     row_launch_settings,
     tile_rows_and_warps,
@@ -86,11 +86,12 @@ from liger_kernel.ops.numerics import round_to_dtype
 # Values of the ACTIVATION constexpr.
 SILU = 0
 GELU_TANH = 1
+_SILU = tl.constexpr(SILU)  # for the kernels (a @triton.jit function reads only constexpr globals)
 
 @triton.jit
 def _gated_activation(a, ACTIVATION: tl.constexpr):
     """``(act(a), act'(a))`` in fp32 (the derivative is dead code where unused)."""
-    if ACTIVATION == 0:
+    if ACTIVATION == _SILU:
         s = tl.sigmoid(a)
         act = a * s
         grad = s * (1.0 + a * (1.0 - s))
@@ -471,15 +472,16 @@ def gated_mul_function(ops: SimpleNamespace) -> type:
             return gated_function_forward(ctx, ops, a, b, in_place)
 
         @staticmethod
-        @once_differentiable
+        @strictly_once_differentiable
         def backward(ctx, grad_h: torch.Tensor):
             da, db = gated_function_backward(ctx, ops, grad_h)
-            return da, db, None
+            return grads(a=da, b=db)
 
+    grads = InputGradients(GatedMulFunction.forward)
     return GatedMulFunction
 
 
-class LigerSiLUMulFunction(gated_mul_function(SWIGLU_OPS)):
+class LigerSiLUMulFunction(gated_mul_function(SWIGLU_OPS)):  # type: ignore[misc]  # a base built per ops
     """``h = silu(a) * b`` (SwiGLU's gating); see the module docstring for math and in-place.
 
     ``apply(a, b, in_place=False)``: ``a`` (gate) and ``b`` (up) of one shape (..., I) and
@@ -539,7 +541,7 @@ class LigerGatedDownProjFunction(torch.autograd.Function):
         return torch.nn.functional.linear(h, weight, bias)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
         (a, b, weight, bias), in_place = _unpack_saved(ctx)
         ops = GATED_OPS[ctx.activation]
@@ -557,4 +559,7 @@ class LigerGatedDownProjFunction(torch.autograd.Function):
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = dy.sum(0).to(bias.dtype)  # as autograd's linear: summed in dy's dtype
-        return da, db, grad_weight, grad_bias, None, None
+        return _GATED_DOWN_PROJ_GRADS(a=da, b=db, weight=grad_weight, bias=grad_bias)
+
+
+_GATED_DOWN_PROJ_GRADS = InputGradients(LigerGatedDownProjFunction.forward)

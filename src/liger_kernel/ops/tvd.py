@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.launch import is_interpreter, launch_kernel, liger_custom_op
+from liger_kernel.ops.launch import is_interpreter, liger_custom_op
 from liger_kernel.ops.loss_options import check_ignore_index
 from liger_kernel.ops.numerics import round_to_dtype
 from liger_kernel.ops.vocab_rows import (
@@ -192,15 +193,17 @@ class LigerTVDLossFunction(torch.autograd.Function):
         return total
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         p, q, labels, count = ctx.saved_tensors
         reduction, ignore_index = ctx.options
         compute_dp, compute_dq = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
         if not (compute_dp or compute_dq):
-            return None, None, None, None, None
+            return _TVD_GRADS()
         grad = as_vocab_rows(grad_output.expand(p.shape)) if reduction == "none" else grad_output.reshape(1)
         dp, dq = run_launcher(tvd_backward, as_vocab_rows(p), as_vocab_rows(q), labels, grad, count, ignore_index,
                               reduction, compute_dp, compute_dq)
-        return (dp.view(p.shape) if compute_dp else None, dq.view(q.shape) if compute_dq else None,
-                None, None, None)
+        return _TVD_GRADS(p=dp.view(p.shape) if compute_dp else None, q=dq.view(q.shape) if compute_dq else None)
+
+
+_TVD_GRADS = InputGradients(LigerTVDLossFunction.forward)
