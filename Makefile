@@ -11,7 +11,7 @@ TRL_IN_RANGE = from importlib.metadata import version; from packaging.version im
 # Idempotent install: CPU torch 2.13.0 only when no torch is importable (a GPU machine keeps its own).
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	@$(PY) -c "import liger_kernel, transformers, pytest, xdist, hypothesis, matplotlib, kernels, requests; $(TRL_IN_RANGE)" \
+	@$(PY) -c "import liger_kernel, transformers, pytest, xdist, hypothesis, matplotlib, kernels, requests, mypy; $(TRL_IN_RANGE)" \
 		2>/dev/null || $(PY) -m pip install -q -e ".[dev,transformers,trl]"
 
 test: setup
@@ -22,6 +22,7 @@ demo: setup
 
 lint: setup
 	$(PY) -m ruff check src tests benchmarks examples scripts
+	$(PY) -m mypy
 
 bench: setup
 	$(PY) -m benchmarks $(ARGS)

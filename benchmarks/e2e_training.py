@@ -352,7 +352,7 @@ def _step_fits(model, optimizer, batch: int, seq: int, vocab: int, device: torch
         train_step(model, optimizer, ids)
         synchronize(device)
         return True
-    except Exception as error:  # noqa: BLE001 - only out-of-memory is expected here
+    except Exception as error:  # only out-of-memory is expected here
         if not is_out_of_memory(error):
             raise
         return False

@@ -169,7 +169,7 @@ class Peer:
             return self
         try:
             importlib.import_module(self.module)
-        except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        except Exception as exc:  # any import failure means "not here"
             self.unavailable = f"{self.distribution} not importable: {type(exc).__name__}: {str(exc)[:120]}"
             return self
         self.version = _dist_version(self.distribution) + (f" ({self.note})" if self.note else "")

@@ -31,6 +31,7 @@ This module imports nothing from ``transformers`` or ``torch``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # Activation names (values of ``config.hidden_act`` / ``hidden_activation``) for which each
 # Liger gated activation reproduces the HF MLP exactly.
@@ -135,12 +136,12 @@ def _modeling(name: str) -> str:
     return f"transformers.models.{name}.modeling_{name}"
 
 
-_SWIGLU = dict(kind="swiglu", option="swiglu", liger_module="swiglu", liger_class="LigerSwiGLUMLP")
-_GEGLU = dict(
+_SWIGLU: dict[str, Any] = dict(kind="swiglu", option="swiglu", liger_module="swiglu", liger_class="LigerSwiGLUMLP")
+_GEGLU: dict[str, Any] = dict(
     kind="geglu", option="geglu", activations=GELU_TANH_ACTIVATIONS, liger_module="geglu",
     liger_class="LigerGEGLUMLP",
 )
-_GEMMA_NORM = dict(offset=1.0, casting_mode="gemma", init_fn="zeros", eps_attr="eps")
+_GEMMA_NORM: dict[str, Any] = dict(offset=1.0, casting_mode="gemma", init_fn="zeros", eps_attr="eps")
 
 _GEMMA2_NORM_ATTRS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                       "post_feedforward_layernorm")

@@ -53,6 +53,10 @@ class LigerGEGLUMLP(nn.Module):
     bias-free ``gate_proj``, ``up_proj``, ``down_proj``.
     """
 
+    # Set from the config by set_mlp_sizes, as HF's MLPs keep them.
+    hidden_size: int
+    intermediate_size: int
+
     def __init__(self, config: Any, in_place: bool = True) -> None:
         super().__init__()
         attr, activation = config_activation(config)

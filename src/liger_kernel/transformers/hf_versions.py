@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import torch
 
 
 @functools.cache
-def cache_kwarg_name(base_model_class: type) -> str:
+def cache_kwarg_name(base_model_class: type[torch.nn.Module]) -> str:
     """The decoder's name for the KV cache argument: transformers 5.24 renamed
     ``past_key_values`` to ``cache`` (5.17 still uses ``past_key_values``)."""
     params = inspect.signature(base_model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def output_cache_field(output_class: type) -> str:
+def output_cache_field(output_class: Any) -> str:
     """The cache field of a model output class (``cache`` from 5.24 on, else ``past_key_values``)."""
     # ``__dataclass_fields__`` rather than ``dataclasses.fields()``: Dynamo cannot trace the
     # latter on a class (a graph break under torch.compile), but reads a class attribute.

@@ -98,6 +98,10 @@ class LigerSwiGLUMLP(nn.Module):
     ``ValueError`` for any other activation.
     """
 
+    # Set from the config by set_mlp_sizes, as HF's MLPs keep them.
+    hidden_size: int
+    intermediate_size: int
+
     def __init__(self, config: Any, in_place: bool = True) -> None:
         super().__init__()
         _check_activation(config, SILU_ACTIVATIONS, type(self).__name__)
@@ -123,6 +127,10 @@ class LigerPhi3SwiGLUMLP(nn.Module):
     ``down_proj`` (no bias), as ``Phi3MLP``. Raises ``ValueError`` unless
     ``config.hidden_act`` is "silu" or "swish".
     """
+
+    # Set from the config by set_mlp_sizes, as HF's MLPs keep them.
+    hidden_size: int
+    intermediate_size: int
 
     def __init__(self, config: Any, in_place: bool = True) -> None:
         super().__init__()

@@ -127,7 +127,7 @@ def _discovering_post_init(post_init: Callable, options: PatchOptions) -> Callab
     return liger_post_init
 
 
-def _discovering_from_pretrained(from_pretrained: Callable, options: PatchOptions) -> classmethod:
+def _discovering_from_pretrained(from_pretrained: Any, options: PatchOptions) -> classmethod:
     """``from_pretrained`` followed by discovery on the loaded model."""
     function = from_pretrained.__func__
 

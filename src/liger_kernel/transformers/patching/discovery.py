@@ -198,7 +198,7 @@ def _probe_norm_uncached(module: nn.Module) -> NormPlan | str:
     with torch.no_grad():
         try:
             reference = probe(x)
-        except Exception as error:  # noqa: BLE001 - any failure means: not a norm we understand
+        except Exception as error:  # any failure means: not a norm we understand
             return f"its forward failed on a (2, 5, {hidden}) probe: {type(error).__name__}"
         if not isinstance(reference, torch.Tensor) or reference.shape != x.shape:
             return "its forward does not return one tensor of the input's shape"
@@ -227,7 +227,7 @@ def activation_kind(act: Any) -> str | None:
     try:
         with torch.no_grad():
             out = act(t)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     if not isinstance(out, torch.Tensor) or out.shape != t.shape:
         return None
@@ -339,7 +339,7 @@ def _probe_mlp_uncached(module: nn.Module, layout: str) -> MLPPlan | str:
         with torch.no_grad():
             reference = type(module).forward(module, x)
             again = type(module).forward(module, x)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"its forward failed on a probe: {type(error).__name__}"
     finally:
         module.train(was_training)
@@ -350,7 +350,7 @@ def _probe_mlp_uncached(module: nn.Module, layout: str) -> MLPPlan | str:
         proxy.__dict__["_modules"] = module._modules
         try:
             result = liger_mlp_forward(proxy, x)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             return f"the Liger gated MLP failed on its probe: {type(error).__name__}: {error}"
     if not isinstance(reference, torch.Tensor):
         return "its forward does not return one tensor"
@@ -411,7 +411,7 @@ def _probe_experts_uncached(module: nn.Module) -> str | None:
             proxy = _Proxy(module)
             proxy.__dict__["_apply_gate"] = functools.partial(liger_silu_apply_gate, module)
             result = liger_experts_forward(proxy, x, index, weights)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             return f"its forward failed on a probe: {type(error).__name__}: {error}"
         finally:
             module.train(was_training)
@@ -572,7 +572,7 @@ def _rope_cases(fn: Callable, head_dim: int, rotary_dims: set[int], device: torc
             for heads, unsqueeze_dim, inputs in forms:
                 try:
                     reference = _call_rope(fn, per_tensor, inputs, tables, unsqueeze_dim)
-                except Exception:  # noqa: BLE001 - HF's function does not take this shape or signature
+                except Exception:  # HF's function does not take this shape or signature
                     continue
                 if not per_tensor and not (isinstance(reference, tuple) and len(reference) == 2):
                     # Not the two-tensor signature; the per-tensor one is tried next.
@@ -626,7 +626,7 @@ def rotary_dims(model: nn.Module) -> tuple[int, set[int]] | None:
             try:
                 with torch.no_grad():
                     cos, _ = embedding(x, positions, **extra)
-            except Exception:  # noqa: BLE001 - another signature, or not materialised
+            except Exception:  # another signature, or not materialised
                 continue
             dims.add(int(cos.shape[-1]))
     return (int(head_dim), dims) if dims else None

@@ -115,7 +115,7 @@ class _Walk:
             # be what breaks a user's training.
             try:
                 self.visit(module)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 self.leave(module, f"discovery failed on it: {type(error).__name__}: {error}")
 
     def visit(self, module: nn.Module) -> None:
@@ -143,7 +143,7 @@ def _probed_head(model: nn.Module) -> tuple[nn.Module, object]:
             if not isinstance(nested_spec, str):
                 return getattr(model, nested), nested_spec
             spec = f"{spec}; its language model {nested}: {nested_spec}"
-    except Exception as error:  # noqa: BLE001 - as for the modules: a failed probe keeps HF's forward
+    except Exception as error:  # as for the modules: a failed probe keeps HF's forward
         spec = f"its head probe failed: {type(error).__name__}: {error}"
     return model, spec
 

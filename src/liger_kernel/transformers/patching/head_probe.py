@@ -91,7 +91,7 @@ def _same_value(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
     try:
         return a is b or bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare are taken as different
+    except Exception:  # values that do not compare are taken as different
         return False
 
 
@@ -254,7 +254,7 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
                   in itertools.product(_softcaps(source, text_config), scales, hf_loss, hf_loss)]
     try:
         output_class, spec, error = _compare_heads(model, cls, head_path, candidates, text_config)
-    except Exception as failure:  # noqa: BLE001 - a forward we cannot run on the probe stays HF's
+    except Exception as failure:  # a forward we cannot run on the probe stays HF's
         return f"its forward failed on the head probe: {type(failure).__name__}: {str(failure)[:120]}"
     if error is not None:
         return error

@@ -132,8 +132,10 @@ def _apply_liger_kernel_to_instance(model: nn.Module, **kwargs: Any) -> PatchRep
     model = unwrap_peft(model)
     kwargs.pop("model", None)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type) if isinstance(model_type, str) else None
-    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if not isinstance(model_type, str):
+        model_type = ""  # no model type: nothing registered, discovery decides
+    apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    family = FAMILIES.get(model_type)
     if apply_fn is None or (family is not None and apply_fn is _TABLE_APPLY_FNS.get(model_type)
                             and not _is_family_model(model, family)):
         # A model type transformers does not list, or a table model type whose config builds
