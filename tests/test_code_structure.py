@@ -2,6 +2,8 @@
 
 * no import circle among the modules of ``src/liger_kernel`` or of ``benchmarks`` (function-level
   imports included: a circle closed by a lazy import is still a circle a reader has to untangle);
+* the layers import downwards only: ``ops`` and ``reference`` nothing of the other layers,
+  ``chunked_loss`` nothing of ``transformers``;
 * no function in ``src/`` longer than :data:`MAX_FUNCTION_LINES`, except the Triton kernels named
   in :data:`LONG_KERNELS` with the reason each one stays whole.
 """
@@ -118,6 +120,25 @@ def test_cycle_finder_finds_a_circle():
 def test_no_import_cycles(package):
     cycles = import_cycles(import_graph(ROOT / package))
     assert not cycles, f"import circles in {package}: {cycles}"
+
+
+# Layer -> the layers it must not import.
+FORBIDDEN_IMPORTS = {
+    "liger_kernel.ops": ("liger_kernel.transformers", "liger_kernel.chunked_loss"),
+    "liger_kernel.reference": ("liger_kernel.transformers", "liger_kernel.chunked_loss", "liger_kernel.ops"),
+    "liger_kernel.chunked_loss": ("liger_kernel.transformers",),
+}
+
+
+def test_layers_import_downwards():
+    graph = import_graph(ROOT / "src/liger_kernel")
+    upward = sorted(
+        f"{module} -> {imported}"
+        for module, imports in graph.items()
+        for layer, forbidden in FORBIDDEN_IMPORTS.items() if module == layer or module.startswith(layer + ".")
+        for imported in imports if imported.startswith(forbidden)
+    )
+    assert not upward, f"imports against the layering (transformers -> ops, never back): {upward}"
 
 
 def _is_triton_kernel(node: ast.FunctionDef) -> bool:
