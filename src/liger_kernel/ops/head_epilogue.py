@@ -45,8 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
-from liger_kernel.ops.launch import is_interpreter, launch_kernel, multiprocessor_count
+from liger_kernel.ops.launch import is_interpreter, multiprocessor_count
 from liger_kernel.ops.numerics import round_to_dtype, tanh_and_sech2
 
 # Columns of the statistics buffer (R, STAT_COLUMNS) float32 and of the coefficient buffer
