@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from liger_kernel.ops.cross_entropy import CrossEntropyFunction, LigerCrossEntropyFunction
+from liger_kernel.ops.cross_entropy import CrossEntropyFunctionFromOptions, LigerCrossEntropyFunction
 from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 from liger_kernel.ops.fused_linear_logprobs import LigerFusedLinearLogProbsFunction
 from liger_kernel.ops.geglu import LigerGELUMulFunction
@@ -52,7 +52,7 @@ def _cross_entropy(reduction, dtype=torch.float32, loss_dtype=None):
                                       reduction=reduction, return_token_accuracy=True)
 
         def step(x):
-            loss, _, _ = CrossEntropyFunction.apply(x * 2.0, target, weight, options, True, None, loss_dtype)
+            loss, _, _ = CrossEntropyFunctionFromOptions.apply(x * 2.0, target, weight, options, True, None, loss_dtype)
             return (loss,)
 
         return step, [_randn(n, v).to(dtype)]

@@ -55,26 +55,24 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import check_float_dtype, check_same_device
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import (
+    is_meta,
     liger_custom_op,
     num_programs_for_rows,
     row_launch_settings,
 )
+from liger_kernel.ops.loss_checks import check_class_weight, start_target_check
 from liger_kernel.ops.loss_options import (
     CrossEntropyOptions,
     CrossEntropyOutput,
     calibrate_entry,
-    check_class_weight,
-    is_meta,
     logits_unshared,
-    mean_denominators,
-    reduce_rows,
-    start_target_check,
 )
+from liger_kernel.ops.loss_reduction import mean_denominators, reduce_rows
 from liger_kernel.ops.numerics import tanh_and_sech2
 from liger_kernel.ops.scaling import scale_gradient
 
@@ -218,37 +216,90 @@ def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_
 
 
 @triton.jit
+def _row_statistics(logits_row, n_cols, class_weight_ptr, softcap, HAS_CLASS_WEIGHT: tl.constexpr,
+                    HAS_LABEL_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, PREFETCH: tl.constexpr, LANE_WIDTH: tl.constexpr):
+    """Pass 1 over one row: ``(lse, smooth_sum, weight_total, best_index)``, from an online
+    log-sum-exp, the smoothing sums and the first arg-max kept per lane (:func:`_lane_update`)."""
+    lane_offsets = (tl.arange(0, BLOCK_SIZE // LANE_WIDTH)[:, None] * LANE_WIDTH
+                    + tl.arange(0, LANE_WIDTH)[None, :])
+    lane_max = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
+    lane_smooth = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
+    lane_weight = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
+    lane_best = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
+    lane_best_index = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.int32)
+    if PREFETCH:
+        x_next = tl.load(logits_row + lane_offsets, mask=lane_offsets < n_cols, other=float("-inf"))
+    for start in range(0, n_cols, BLOCK_SIZE):
+        cols = start + lane_offsets
+        mask = cols < n_cols
+        if PREFETCH:
+            # The next block's load is issued before this block's reductions.
+            x = x_next.to(tl.float32)
+            ahead = cols + BLOCK_SIZE
+            x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
+        else:
+            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index = _lane_update(
+            x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index,
+            class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP,
+            COMPUTE_ACCURACY)
+    running_max = tl.max(lane_max, axis=0)
+    sum_exp = tl.sum(_rescaled_sum(lane_max, lane_sum, running_max), axis=0)
+    best_index = 0
+    if COMPUTE_ACCURACY:
+        best_raw = tl.max(lane_best, axis=0)
+        best_index = tl.min(tl.where(lane_best == best_raw, lane_best_index, 2147483647), axis=0)
+    shift = tl.where(running_max == float("-inf"), 0.0, running_max)
+    return shift + tl.log(sum_exp), tl.sum(lane_smooth, axis=0), tl.sum(lane_weight, axis=0), best_index
+
+
+@triton.jit
+def _store_row_gradient(logits_row, grad_row, n_cols, target, target_valid, safe_target, target_raw, lse,
+                        prob_coef, onehot_coef, uniform_coef, class_weight_ptr, softcap,
+                        HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREFETCH: tl.constexpr):
+    """Pass 2 over one row: dL/dx stored to ``grad_row`` (which may be ``logits_row`` itself),
+    last block first: the blocks pass 1 read most recently are the likeliest still in L2."""
+    offsets = tl.arange(0, BLOCK_SIZE)
+    n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
+    if PREFETCH:
+        last = (n_blocks - 1) * BLOCK_SIZE + offsets
+        x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
+    for block_index in range(0, n_blocks):
+        cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
+        mask = cols < n_cols
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            behind = cols - BLOCK_SIZE
+            x_next = tl.load(logits_row + behind, mask=(behind >= 0) & (behind < n_cols), other=float("-inf"))
+        else:
+            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        grad = _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef,
+                               class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING,
+                               HAS_SOFTCAP, WITH_ONEHOT=False)
+        tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=mask)
+    if target_valid:
+        # The loop left out the one-hot term (a compare and select per element); the target's
+        # gradient is rewritten once, after every thread's stores above (the barrier orders
+        # them before this one).
+        tl.debug_barrier()
+        target_grad = _block_gradient(target_raw, safe_target, target_valid, target, lse, prob_coef,
+                                      onehot_coef, uniform_coef, class_weight_ptr, softcap,
+                                      HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP)
+        tl.store(grad_row + safe_target, target_grad.to(grad_row.dtype.element_ty))
+
+
+@triton.jit
 def _cross_entropy_kernel(
-    logits_ptr,
-    logits_row_stride,
-    grad_ptr,
-    grad_row_stride,
-    target_ptr,
-    target_stride,
-    class_weight_ptr,
-    row_scale_ptr,
-    loss_ptr,
-    z_loss_ptr,
-    correct_ptr,
-    ce_denominator_ptr,
-    z_denominator_ptr,
-    n_rows,
-    n_cols,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-    HAS_CLASS_WEIGHT: tl.constexpr,
-    HAS_LABEL_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr,
-    MEAN_REDUCTION: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    COMPUTE_ACCURACY: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LANE_WIDTH: tl.constexpr,
+    logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, target_ptr, target_stride, class_weight_ptr,
+    row_scale_ptr, loss_ptr, z_loss_ptr, correct_ptr, ce_denominator_ptr, z_denominator_ptr, n_rows, n_cols,
+    ignore_index, label_smoothing, lse_square_scale, softcap,
+    HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, MEAN_REDUCTION: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PREFETCH: tl.constexpr, LANE_WIDTH: tl.constexpr,
 ):
     """Per row: loss, z-loss, correctness and (optionally) dL/dx.
 
@@ -289,41 +340,9 @@ def _cross_entropy_kernel(
                 target_logit = softcap * capped_target
             else:
                 target_logit = target_raw
-            # Pass 1: online log-sum-exp, smoothing sums and first arg-max, per lane.
-            lane_offsets = (tl.arange(0, BLOCK_SIZE // LANE_WIDTH)[:, None] * LANE_WIDTH
-                            + tl.arange(0, LANE_WIDTH)[None, :])
-            lane_max = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
-            lane_sum = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
-            lane_smooth = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
-            lane_weight = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
-            lane_best = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
-            lane_best_index = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.int32)
-            if PREFETCH:
-                x_next = tl.load(logits_row + lane_offsets, mask=lane_offsets < n_cols, other=float("-inf"))
-            for start in range(0, n_cols, BLOCK_SIZE):
-                cols = start + lane_offsets
-                mask = cols < n_cols
-                if PREFETCH:
-                    # The next block's load is issued before this block's reductions.
-                    x = x_next.to(tl.float32)
-                    ahead = cols + BLOCK_SIZE
-                    x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
-                else:
-                    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index = _lane_update(
-                    x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index,
-                    class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP,
-                    COMPUTE_ACCURACY)
-            running_max = tl.max(lane_max, axis=0)
-            sum_exp = tl.sum(_rescaled_sum(lane_max, lane_sum, running_max), axis=0)
-            smooth_sum = tl.sum(lane_smooth, axis=0)
-            weight_total = tl.sum(lane_weight, axis=0)
-            best_index = 0
-            if COMPUTE_ACCURACY:
-                best_raw = tl.max(lane_best, axis=0)
-                best_index = tl.min(tl.where(lane_best == best_raw, lane_best_index, 2147483647), axis=0)
-            shift = tl.where(running_max == float("-inf"), 0.0, running_max)
-            lse = shift + tl.log(sum_exp)
+            lse, smooth_sum, weight_total, best_index = _row_statistics(
+                logits_row, n_cols, class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP,
+                COMPUTE_ACCURACY, BLOCK_SIZE, PREFETCH, LANE_WIDTH)
 
             if HAS_CLASS_WEIGHT:
                 target_weight = tl.load(class_weight_ptr + safe_target, mask=target_valid, other=0.0)
@@ -347,35 +366,9 @@ def _cross_entropy_kernel(
                 prob_coef, onehot_coef, uniform_coef = _gradient_coefficients(
                     lse, target_weight, weight_total, n_cols, label_smoothing, lse_square_scale, ce_scale, z_scale,
                     row_scale, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_Z_LOSS)
-                # Pass 2, last block first: the blocks pass 1 read most recently are the
-                # likeliest still to be in L2.
-                n_blocks = tl.cdiv(n_cols, BLOCK_SIZE)
-                if PREFETCH:
-                    last = (n_blocks - 1) * BLOCK_SIZE + offsets
-                    x_next = tl.load(logits_row + last, mask=last < n_cols, other=float("-inf"))
-                for block_index in range(0, n_blocks):
-                    cols = (n_blocks - 1 - block_index) * BLOCK_SIZE + offsets
-                    mask = cols < n_cols
-                    if PREFETCH:
-                        x = x_next.to(tl.float32)
-                        behind = cols - BLOCK_SIZE
-                        x_next = tl.load(logits_row + behind, mask=(behind >= 0) & (behind < n_cols),
-                                         other=float("-inf"))
-                    else:
-                        x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                    grad = _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_coef,
-                                           class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING,
-                                           HAS_SOFTCAP, WITH_ONEHOT=False)
-                    tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
-                if target_valid:
-                    # The loop left out the one-hot term (a compare and select per element);
-                    # the target's gradient is rewritten once, after every thread's stores
-                    # above (the barrier orders them before this one).
-                    tl.debug_barrier()
-                    target_grad = _block_gradient(target_raw, safe_target, target_valid, target, lse, prob_coef,
-                                                  onehot_coef, uniform_coef, class_weight_ptr, softcap,
-                                                  HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP)
-                    tl.store(grad_row + safe_target, target_grad.to(grad_ptr.dtype.element_ty))
+                _store_row_gradient(logits_row, grad_row, n_cols, target, target_valid, safe_target, target_raw, lse,
+                                    prob_coef, onehot_coef, uniform_coef, class_weight_ptr, softcap, HAS_CLASS_WEIGHT,
+                                    HAS_LABEL_SMOOTHING, HAS_SOFTCAP, BLOCK_SIZE, PREFETCH)
 
 
 def launch_cross_entropy_kernel(logits: torch.Tensor, grad: torch.Tensor, target: torch.Tensor,
@@ -601,18 +594,12 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         return _cross_entropy(ctx, logits, target, weight, options, overwrite)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
-        (grad,) = ctx.saved_tensors
-        if not ctx.compute_grad:
-            return (None,) * 10
-        grad = scale_gradient(grad, grad_loss)
-        # A fresh alias of the buffer, not the input tensor itself: autograd can then hand it
-        # to a leaf's .grad as is, instead of cloning an (N, V) tensor it sees shared.
-        return (grad.detach(),) + (None,) * 9
+        return _CROSS_ENTROPY_GRADS(logits=_logits_gradient(ctx, grad_loss))
 
 
-class CrossEntropyFunction(LigerCrossEntropyFunction):
+class CrossEntropyFunctionFromOptions(torch.autograd.Function):
     """:class:`LigerCrossEntropyFunction` for callers holding validated options:
     ``apply(logits, target, weight, options, in_place, limits, loss_dtype=None)``, where
     ``limits`` are the reference counts of a temporary passed through the caller's entry point
@@ -622,6 +609,26 @@ class CrossEntropyFunction(LigerCrossEntropyFunction):
     def forward(ctx, logits, target, weight, options, in_place, limits, loss_dtype=None):
         overwrite = bool(in_place) and logits_unshared(logits, limits)
         return _cross_entropy(ctx, logits, target, weight, options, overwrite, loss_dtype)
+
+    @staticmethod
+    @strictly_once_differentiable
+    def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
+        return _FROM_OPTIONS_GRADS(logits=_logits_gradient(ctx, grad_loss))
+
+
+def _logits_gradient(ctx, grad_loss: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the forward stored, scaled by ``grad_loss`` (None when none was computed)."""
+    (grad,) = ctx.saved_tensors
+    if not ctx.compute_grad:
+        return None
+    grad = scale_gradient(grad, grad_loss)
+    # A fresh alias of the buffer, not the input tensor itself: autograd can then hand it
+    # to a leaf's .grad as is, instead of cloning an (N, V) tensor it sees shared.
+    return grad.detach()
+
+
+_CROSS_ENTROPY_GRADS = InputGradients(LigerCrossEntropyFunction.forward)
+_FROM_OPTIONS_GRADS = InputGradients(CrossEntropyFunctionFromOptions.forward)
 
 
 # Reference counts of a temporary passed straight to LigerCrossEntropyFunction.apply (None

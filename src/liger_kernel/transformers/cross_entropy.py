@@ -13,7 +13,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from liger_kernel.ops.cross_entropy import CrossEntropyFunction
+from liger_kernel.ops.cross_entropy import CrossEntropyFunctionFromOptions
 from liger_kernel.ops.loss_options import (
     OPTION_NAMES,
     CrossEntropyOptions,
@@ -26,7 +26,8 @@ __all__ = ["CrossEntropyLossBase", "CrossEntropyOptions", "CrossEntropyOutput", 
 
 
 def _cross_entropy(input, target, weight, options: CrossEntropyOptions, in_place: bool, limits, loss_dtype=None):
-    loss, z_loss, accuracy = CrossEntropyFunction.apply(input, target, weight, options, in_place, limits, loss_dtype)
+    loss, z_loss, accuracy = CrossEntropyFunctionFromOptions.apply(input, target, weight, options, in_place, limits,
+                                                                   loss_dtype)
     return options.outputs(loss, z_loss, accuracy)
 
 
