@@ -141,7 +141,7 @@ def _chunk_parts(rows: int, x: torch.Tensor, weight: torch.Tensor, target: torch
                  grad_weight: torch.Tensor) -> dict[str, Callable[[], Any]]:
     """The per-chunk work of the fused linear cross entropy, one callable per step."""
     from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
-    from liger_kernel.ops.loss_options import mean_denominators
+    from liger_kernel.ops.loss_reduction import mean_denominators
 
     v, d = weight.shape
     logits = torch.empty(rows, v, device=x.device, dtype=x.dtype)
@@ -196,7 +196,7 @@ def flce_chunk_loss_kernel(settings: list[dict[str, Any]], device: torch.device,
     N 8192's chunk at the 96 MiB budget) and on a whole N 8192 batch, per CE setting: the
     chunk has fewer rows than the GPU holds programs, so its best launch may differ."""
     from liger_kernel.ops import cross_entropy as ce_ops
-    from liger_kernel.ops.loss_options import mean_denominators
+    from liger_kernel.ops.loss_reduction import mean_denominators
 
     v = 128256
     for rows in (384, 8192):

@@ -48,9 +48,9 @@ from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiab
 from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import check_float_dtype, check_tensor
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.launch import is_interpreter, liger_custom_op
+from liger_kernel.ops.launch import is_interpreter, is_meta, liger_custom_op
 from liger_kernel.ops.numerics import round_to_dtype
-from liger_kernel.ops.vocab_rows import VocabRowConfig, check_devices, is_meta, run_launcher
+from liger_kernel.ops.vocab_rows import VocabRowConfig, check_devices, run_launcher
 
 
 class SelectiveLogSoftmaxConfig(VocabRowConfig):

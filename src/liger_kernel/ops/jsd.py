@@ -41,7 +41,7 @@ import triton.language as tl
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.launch import is_interpreter, liger_custom_op
+from liger_kernel.ops.launch import is_interpreter, is_meta, liger_custom_op
 from liger_kernel.ops.loss_options import check_ignore_index
 from liger_kernel.ops.numerics import round_to_dtype
 from liger_kernel.ops.scaling import scale_gradient
@@ -51,7 +51,6 @@ from liger_kernel.ops.vocab_rows import (
     check_distribution_pair,
     counted_rows,
     gradient_buffer,
-    is_meta,
     labelled_vocab_rows,
     run_launcher,
 )

@@ -125,6 +125,12 @@ def has_no_data(t: torch.Tensor) -> bool:
     return t.is_meta or (not torch.compiler.is_compiling() and is_fake(t))
 
 
+def is_meta(*tensors: torch.Tensor | None) -> bool:
+    """Whether any given tensor is on the meta device (shape inference: no kernel runs, a
+    launcher gives its fake's outputs)."""
+    return any(t is not None and t.device.type == "meta" for t in tensors)
+
+
 def _any_meta(args: tuple) -> bool:
     """Whether a positional tensor argument has no data (:func:`has_no_data`). Launchers
     take tensors positionally."""

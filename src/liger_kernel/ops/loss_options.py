@@ -1,11 +1,13 @@
-"""What the cross-entropy losses (plain and fused with the LM head) share: their options, the
-checks of their arguments, the target check, the mean's denominators, and whether the logits
-may be overwritten by their gradient.
+"""The options the cross-entropy losses (plain and fused with the LM head) share, and whether
+the logits may be overwritten by their gradient. Their target and class-weight checks are
+:mod:`liger_kernel.ops.loss_checks`, the mean's denominators and the reduction
+:mod:`liger_kernel.ops.loss_reduction`.
 
 The options are one frozen value, :class:`CrossEntropyOptions`, validated when it is built;
 the modules keep one, the functions build one per call, and the autograd Functions receive
 its fields. The class weight is a tensor that follows its module's device (a buffer), so it
-travels beside the options and is checked against the vocabulary by :func:`check_class_weight`.
+travels beside the options and is checked against the vocabulary by
+:func:`~liger_kernel.ops.loss_checks.check_class_weight`.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from typing import NamedTuple
 
 import torch
 
-from liger_kernel.ops.checks import check_float_dtype, check_tensor
 from liger_kernel.ops.grad_ownership import counts_comparable_with_import
+
+# Imported from here by fused_linear_cross_entropy.py until it imports them from their modules.
+from liger_kernel.ops.launch import is_meta  # noqa: F401
+from liger_kernel.ops.loss_checks import check_class_weight, start_target_check  # noqa: F401
+from liger_kernel.ops.loss_reduction import mean_denominators, reduce_rows  # noqa: F401
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -124,130 +130,6 @@ class CrossEntropyOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CrossEntropyOptions))
-
-
-def check_class_weight(class_weight: torch.Tensor | None, n_cols: int, name: str = "weight") -> torch.Tensor | None:
-    """Validate the class weights; returns them as the kernel reads them, with unit stride
-    (it addresses ``class_weight_ptr + c``: a strided view such as ``w[::2]`` would be read
-    wrong, silently). Copies only a non-contiguous ``class_weight``."""
-    if class_weight is None:
-        return None
-    check_float_dtype(class_weight, name)
-    if class_weight.dim() != 1 or class_weight.shape[0] != n_cols:
-        raise ValueError(
-            f"{name} (class weights) must have shape ({n_cols},), one per class, got {tuple(class_weight.shape)}"
-        )
-    return class_weight.contiguous()
-
-
-def is_meta(*tensors: torch.Tensor | None) -> bool:
-    """Whether any of ``tensors`` is on the meta device (shape inference: no kernel runs)."""
-    return any(t is not None and t.device.type == "meta" for t in tensors)
-
-
-# ======================================================================================
-# The target's value range.
-# ======================================================================================
-
-
-class PendingTargetCheck:
-    """The value-range check of a target, started on the device; :meth:`wait` raises.
-
-    Waiting right after starting is a host sync that drains the GPU's queue, so the GPU
-    idles while the host launches the next kernels. A caller that launches its kernels
-    first (they never address memory with a bad target) and waits afterwards keeps the GPU
-    busy: by then the check's result is usually long computed.
-    """
-
-    __slots__ = ("_bad", "_flag", "_event", "_target", "_n_cols", "_ignore_index", "_name")
-
-    def __init__(self, target: torch.Tensor | None, n_cols: int = 0, ignore_index: int = -100,
-                 name: str = "target") -> None:
-        self._target, self._n_cols, self._ignore_index, self._name = target, n_cols, ignore_index, name
-        self._bad = self._flag = self._event = None
-        if target is None:
-            return
-        self._bad = ((target != ignore_index) & ((target < 0) | (target >= n_cols))).any()
-        if target.is_cuda:
-            # Copy the verdict into pinned host memory behind the work queued so far.
-            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._flag.copy_(self._bad, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def wait(self) -> None:
-        """Block until the check has run; raise ``ValueError`` naming a bad class index."""
-        if self._bad is None:
-            return
-        if self._event is not None:
-            self._event.synchronize()
-            bad = bool(self._flag)
-        else:
-            bad = bool(self._bad)
-        if bad:
-            target = self._target
-            outside = (target != self._ignore_index) & ((target < 0) | (target >= self._n_cols))
-            first = int(target[outside][0])
-            raise ValueError(
-                f"{self._name} contains class index {first} outside [0, {self._n_cols}) that is not "
-                f"ignore_index={self._ignore_index}"
-            )
-
-
-def start_target_check(
-    target: torch.Tensor, n_rows: int, n_cols: int, ignore_index: int, name: str = "target"
-) -> PendingTargetCheck:
-    """Shape/dtype checks for class-index targets (raised at once) and the value-range check,
-    started on the device and returned unfinished: call ``.wait()`` to raise on a bad value.
-
-    Skipped (a check that passes) while ``torch.compile`` traces, a CUDA graph is being
-    captured (a host sync would break either) or the target is a meta tensor.
-    """
-    check_tensor(target, name)
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{name} must hold class indices as int64 (or int32), got dtype {target.dtype}")
-    if target.dim() != 1:
-        raise ValueError(f"{name} must be 1-D (N,), got shape {tuple(target.shape)}")
-    if target.shape[0] != n_rows:
-        raise ValueError(f"{name} has {target.shape[0]} entries but the input has {n_rows} rows")
-    if torch.compiler.is_compiling() or n_rows == 0 or target.device.type == "meta":
-        return PendingTargetCheck(None)
-    if target.is_cuda and torch.cuda.is_current_stream_capturing():
-        return PendingTargetCheck(None)
-    return PendingTargetCheck(target, n_cols, ignore_index, name)
-
-
-def mean_denominators(
-    target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int, n_cols: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device scalars ``(D_ce, D_z, n_counted)`` for the mean, computed without a host sync.
-
-    ``D_ce`` is the sum of the class weights of the counted targets (their count without
-    weights), ``D_z`` the count. Both are set to 1 when nothing is counted, so an all-ignored
-    batch gives loss 0 rather than 0/0.
-    """
-    counted = target != ignore_index
-    n_counted = counted.sum(dtype=torch.float32)
-    nothing_counted = n_counted == 0
-    z_denominator = torch.where(nothing_counted, 1.0, n_counted)
-    if class_weight is None:
-        ce_denominator = z_denominator
-    else:
-        # Clamping keeps the gather in bounds for bad targets; those rows are masked out
-        # here, and the host check (or the kernel's NaN) reports them.
-        safe_target = target.clamp(0, n_cols - 1).long()
-        target_weights = class_weight.float().gather(0, safe_target) * counted
-        ce_denominator = torch.where(nothing_counted, 1.0, target_weights.sum())
-    return ce_denominator.reshape(1), z_denominator.reshape(1), n_counted
-
-
-def reduce_rows(loss_rows: torch.Tensor, z_rows: torch.Tensor, correct_rows: torch.Tensor,
-                n_counted: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (loss, z-loss, correct) reduced: kept for ``"none"``, else summed (the mean's
-    division already happened in the kernel) with the accuracy averaged over counted rows."""
-    if reduction == "none":
-        return loss_rows, z_rows, correct_rows
-    return loss_rows.sum(), z_rows.sum(), correct_rows.sum() / n_counted.clamp_min(1.0)
 
 
 # ======================================================================================

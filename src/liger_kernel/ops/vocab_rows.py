@@ -17,7 +17,7 @@ import torch
 
 from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
 from liger_kernel.ops.config import LaunchConfig
-from liger_kernel.ops.launch import is_interpreter, row_launch_settings
+from liger_kernel.ops.launch import is_interpreter, is_meta, row_launch_settings
 
 # Widest column block of the row loop. The divergences are elementwise plus one row sum, so a
 # block only needs to be wide enough to keep the loads in flight; wider blocks spill.
@@ -48,11 +48,6 @@ class VocabRowConfig(LaunchConfig):
             for warps in (4, 8, 16, 32):
                 if block // (32 * warps) >= 1:
                     yield cls(block_size=block, num_warps=1 if is_interpreter() else warps)
-
-
-def is_meta(*tensors: torch.Tensor | None) -> bool:
-    """Whether any given tensor lives on the meta device (then every launcher runs its fake)."""
-    return any(t is not None and t.device.type == "meta" for t in tensors)
 
 
 def run_launcher(launcher, *args):
