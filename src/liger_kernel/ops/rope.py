@@ -321,7 +321,8 @@ def memory_order(x: torch.Tensor) -> int:
 
     Size-1 dims (whose strides are arbitrary and do not affect the layout) go innermost.
     """
-    order = tuple(sorted(range(3), key=lambda d: (-x.stride(d) if x.shape[d] > 1 else 1, d)))
+    strides = x.stride()
+    order = tuple(sorted(range(3), key=lambda d: (-strides[d] if x.shape[d] > 1 else 1, d)))
     return _DIM_ORDERS.index(order)
 
 
@@ -335,11 +336,11 @@ def empty_in_order(shape: Tuple[int, ...], order: int, dtype: torch.dtype, devic
     for d in reversed(list(_DIM_ORDERS[order]) + [3]):
         strides[d] = step
         step *= max(shape[d], 1)
-    shape = list(shape)
+    sizes = list(shape)
     if transposed:
-        shape[1], shape[2] = shape[2], shape[1]
+        sizes[1], sizes[2] = sizes[2], sizes[1]
         strides[1], strides[2] = strides[2], strides[1]
-    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    return torch.empty_strided(sizes, strides, dtype=dtype, device=device)
 
 
 def _table_strides(table: torch.Tensor) -> Tuple[int, int]:
@@ -438,16 +439,16 @@ def canonicalize_rope_args(q: object, k: object, cos: object, sin: object, posit
 
     Raises ``TypeError``/``ValueError`` naming the offending argument.
     """
+    q, k, cos, sin = (check_tensor(x, name) for x, name in ((q, "q"), (k, "k"), (cos, "cos"), (sin, "sin")))
     for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        check_tensor(x, name)
         check_float_dtype(x, name)
     if position_ids is not None:
-        check_tensor(position_ids, "position_ids")
+        position_ids = check_tensor(position_ids, "position_ids")
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
         raise ValueError(f"unsqueeze_dim must be 1 (q/k as (B, H, T, D)) or 2 (as (B, T, H, D)), got {unsqueeze_dim!r}")
     if q.dim() != 4 or k.dim() != 4:
-        layout = "(B, H, T, D)" if unsqueeze_dim == 1 else "(B, T, H, D)"
-        raise ValueError(f"q and k must be 4-D {layout}, got q: {tuple(q.shape)}, k: {tuple(k.shape)}")
+        dims = "(B, H, T, D)" if unsqueeze_dim == 1 else "(B, T, H, D)"
+        raise ValueError(f"q and k must be 4-D {dims}, got q: {tuple(q.shape)}, k: {tuple(k.shape)}")
     check_same_device([("q", q), ("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)])
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)

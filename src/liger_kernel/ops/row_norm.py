@@ -123,7 +123,8 @@ class RowNormConfig(LaunchConfig):
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
 
     def __hash__(self) -> int:
-        return self._hash
+        # Set in __post_init__, not a dataclass field (it would join the fields and the search space).
+        return self._hash  # type: ignore[attr-defined]
 
     @classmethod
     def heuristic(cls, n_rows: int, n_cols: int, device: torch.device | None = None,
@@ -194,15 +195,14 @@ def check_row_norm_args(X: object, W: object, B: object, eps: object) -> None:
     """The checks RMSNorm and LayerNorm share: ``X`` (..., H) and ``W`` (H,) (and ``B`` (H,)
     unless None) float tensors on one device, ``eps`` a finite float >= 0. Raises
     ``TypeError``/``ValueError`` naming the offending argument."""
-    check_tensor(X, "X")
-    check_tensor(W, "W")
+    X, W = check_tensor(X, "X"), check_tensor(W, "W")
     check_float_dtype(X, "X")
     check_float_dtype(W, "W")
     if W.dim() != 1:
         raise ValueError(f"W must be 1-D of shape (hidden_size,), got shape {tuple(W.shape)}")
     check_last_dim(X, W.shape[0], "X", "W.shape[0]")
     if B is not None:
-        check_tensor(B, "B")
+        B = check_tensor(B, "B")
         check_float_dtype(B, "B")
         if B.shape != W.shape:
             raise ValueError(f"B has shape {tuple(B.shape)}; it must match W's shape {tuple(W.shape)}")
@@ -696,7 +696,7 @@ def row_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
     n_rows, n_cols = x_rows.shape
     dy_rows, dx_rows, grad_x = row_norm_grad_buffers(grad_output, x, in_place)
     if n_rows == 0 or n_cols == 0:
-        return grad_x, torch.zeros_like(weight), torch.zeros_like(bias) if has_bias else None
+        return grad_x, torch.zeros_like(weight), torch.zeros_like(bias) if bias is not None else None
     launch = row_norm_launch(n_rows, n_cols, x.device, center=center)
     n_partials = 2 if has_bias else 1
     partials = torch.empty((n_partials, launch.backward_programs, n_cols), dtype=torch.float32, device=x.device)
@@ -705,5 +705,5 @@ def row_norm_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.
         n_rows, n_cols, dy_rows.stride(0), x_rows.stride(0), dx_rows.stride(0), offset,
         CENTER=center, HAS_BIAS=has_bias, CASTING=casting, **launch.kernel_args(backward=True),
     )
-    sums = sum_partials(partials, [weight.dtype, bias.dtype] if has_bias else [weight.dtype], launch)
-    return grad_x, sums[0].view(weight.shape), sums[1].view(bias.shape) if has_bias else None
+    sums = sum_partials(partials, [weight.dtype] if bias is None else [weight.dtype, bias.dtype], launch)
+    return grad_x, sums[0].view(weight.shape), sums[1].view(bias.shape) if bias is not None else None

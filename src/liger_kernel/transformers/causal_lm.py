@@ -57,7 +57,7 @@ import functools
 import importlib
 import inspect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,9 @@ from liger_kernel.transformers.hf_versions import (
 from liger_kernel.transformers.patching.binding import set_recipe
 from liger_kernel.transformers.recompute import autocast_recasts, recompute_norm_outputs
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 IGNORE_INDEX = -100
 
 logger = logging.getLogger(__name__)
@@ -93,6 +96,15 @@ def shift_causal_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) 
     """``labels`` (B, T) -> (B, T) targets for next-token prediction: ``out[:, t] = labels[:, t + 1]``,
     the last position ``ignore_index`` (HF pads before shifting)."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """The (B, T) targets of the positions: ``shift_labels`` as given, else ``labels`` shifted."""
+    if shift_labels is not None:
+        return shift_labels
+    if labels is None:
+        raise ValueError("the loss needs `labels` or `shift_labels`")
+    return shift_causal_labels(labels, ignore_index)
 
 
 def _divide_by_items(loss: torch.Tensor, num_items_in_batch: torch.Tensor | int) -> torch.Tensor:
@@ -118,18 +130,18 @@ def liger_causal_lm_loss(
     """
     from liger_kernel.transformers.cross_entropy import liger_cross_entropy
 
-    if shift_labels is None:
-        shift_labels = shift_causal_labels(labels, ignore_index)
+    targets = _targets(labels, shift_labels, ignore_index)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = liger_cross_entropy(
+    # No z-loss or accuracy asked for: the loss alone, a tensor.
+    loss = cast(torch.Tensor, liger_cross_entropy(
         logits.reshape(-1, vocab_size),
-        shift_labels.reshape(-1).to(logits.device),
+        targets.reshape(-1).to(logits.device),
         ignore_index=ignore_index,
         reduction=reduction,
         # The logits are also returned to the caller: the kernel must not overwrite them.
         in_place=False,
         loss_dtype=torch.float32,  # HF upcasts the logits, so its loss is float32
-    )
+    ))
     if num_items_in_batch is not None:
         loss = _divide_by_items(loss, num_items_in_batch)
     return loss
@@ -144,8 +156,7 @@ def _zero_if_nothing_counted(
     ``torch.where`` keeps the graph (the gradient is zero, no NaN: every row is ignored) and
     needs no device sync, so it also traces under ``torch.compile``.
     """
-    targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
-    counted = (targets != ignore_index).any().to(loss.device)
+    counted = (_targets(labels, shift_labels, ignore_index) != ignore_index).any().to(loss.device)
     return torch.where(counted, loss, torch.zeros_like(loss))
 
 
@@ -239,21 +250,23 @@ def text_config_of(config):
 
 
 def _fused_lm_head_loss(
-    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs: Any
+    lm_head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, **kwargs: Any
 ) -> torch.Tensor:
     """Fused linear cross entropy of ``hidden`` (N, H) through ``lm_head`` (``weight`` (V, H), ``bias``)."""
     from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 
-    return liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs)
+    # No z-loss or accuracy asked for: the loss alone, a tensor.
+    return cast(torch.Tensor,
+                liger_fused_linear_cross_entropy(hidden, lm_head.weight, targets, bias=lm_head.bias, **kwargs))
 
 
-def _model_or_config(model: torch.nn.Module, text_config: Any, name: str) -> Any:
+def _model_or_config(model: PreTrainedModel, text_config: Any, name: str) -> Any:
     """``model.<name>``, else ``text_config.<name>`` (a forward reads a constant off either)."""
     value = getattr(model, name, None)
     return getattr(text_config, name) if value is None else value
 
 
-def _input_embedding_weight(model: torch.nn.Module) -> torch.Tensor | None:
+def _input_embedding_weight(model: PreTrainedModel) -> torch.Tensor | None:
     """The input embedding's weight, or None where HF cannot name the input embedding (a
     composite model that does not override ``get_input_embeddings``)."""
     try:
@@ -351,7 +364,7 @@ def router_logits_wanted(spec: FusedLossSpec, config: Any, requested: bool | Non
     return bool(requested)
 
 
-def _recompute_wanted(model: torch.nn.Module, spec: FusedLossSpec, input_ids: torch.Tensor | None,
+def _recompute_wanted(model: PreTrainedModel, spec: FusedLossSpec, input_ids: torch.Tensor | None,
                       inputs_embeds: torch.Tensor | None) -> bool:
     """Whether the decoder runs inside the norm-output recompute context: asked for, with
     gradients, not compiling, and not under autocast that casts the residual stream (the
@@ -367,18 +380,19 @@ def _recompute_wanted(model: torch.nn.Module, spec: FusedLossSpec, input_ids: to
     return True
 
 
-def decoder_outputs(model: torch.nn.Module, spec: FusedLossSpec, past_key_values: Any, **inputs: Any) -> Any:
+def decoder_outputs(model: PreTrainedModel, spec: FusedLossSpec, past_key_values: Any, **inputs: Any) -> Any:
     """Step 2: the decoder's outputs (``return_dict=True``) for ``inputs`` (``input_ids``,
     ``attention_mask``, ``position_ids``, ``inputs_embeds``, ``use_cache`` and whatever else
     the caller passed), the KV cache under the name the installed decoder takes."""
     base_model = model.get_submodule(spec.decoder_attr or model.base_model_prefix)
-    inputs[cache_kwarg_name(type(base_model))] = past_key_values
+    # (torch's stub gives nn.Module an __hash__ mypy does not take as Hashable.)
+    inputs[cache_kwarg_name(type(base_model))] = past_key_values  # type: ignore[arg-type]
     recompute = _recompute_wanted(model, spec, inputs.get("input_ids"), inputs.get("inputs_embeds"))
     with recompute_norm_outputs(recompute):
         return base_model(return_dict=True, **inputs)
 
 
-def head_features(model: torch.nn.Module, spec: FusedLossSpec, last_hidden_state: torch.Tensor,
+def head_features(model: PreTrainedModel, spec: FusedLossSpec, last_hidden_state: torch.Tensor,
                   logits_to_keep: int | torch.Tensor) -> tuple[torch.Tensor, torch.nn.Module, Any]:
     """Step 3: ``(features, lm_head, logits_head)``: the input of the output embedding ``lm_head``
     at the kept positions, and what gives the logits on the unfused path (the output embedding,
@@ -422,7 +436,7 @@ class LogitTransform:
     softcap: float | None = None
 
     @classmethod
-    def of(cls, model: torch.nn.Module, spec: FusedLossSpec) -> LogitTransform:
+    def of(cls, model: PreTrainedModel, spec: FusedLossSpec) -> LogitTransform:
         text_config = text_config_of(model.config)
         softcap = getattr(text_config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
         scale = None
@@ -444,9 +458,7 @@ def fused_loss(lm_head: torch.nn.Module, features: torch.Tensor, inputs: Forward
     """Step 4, fused: the loss of ``features`` (B, kept, H) (or (num_true, H) for a boolean
     ``logits_to_keep``) through ``lm_head`` without materialising the logits. Raises
     ``ValueError`` when the targets do not match the kept positions."""
-    shift_labels = inputs.shift_labels
-    if shift_labels is None:
-        shift_labels = shift_causal_labels(inputs.labels, inputs.ignore_index)
+    shift_labels = _targets(inputs.labels, inputs.shift_labels, inputs.ignore_index)
     kept = features.shape[:-1]
     # (batch, positions) targets for (batch, positions) kept; a boolean logits_to_keep
     # mask keeps (num_true,) rows, matched like HF's loss does: by the flattened count.
@@ -473,7 +485,7 @@ def fused_loss(lm_head: torch.nn.Module, features: torch.Tensor, inputs: Forward
     return loss
 
 
-def loss_from_logits(model: torch.nn.Module, logits: torch.Tensor, inputs: ForwardInputs) -> torch.Tensor:
+def loss_from_logits(model: PreTrainedModel, logits: torch.Tensor, inputs: ForwardInputs) -> torch.Tensor:
     """Step 4, unfused: the model's own ``loss_function`` on ``logits`` (0 for a mean over no
     counted target, as on the fused path)."""
     loss_kwargs: dict[str, Any] = {"num_items_in_batch": inputs.num_items_in_batch,
@@ -487,7 +499,7 @@ def loss_from_logits(model: torch.nn.Module, logits: torch.Tensor, inputs: Forwa
     return loss
 
 
-def model_output(model: torch.nn.Module, spec: FusedLossSpec, outputs: Any, loss: torch.Tensor | None,
+def model_output(model: PreTrainedModel, spec: FusedLossSpec, outputs: Any, loss: torch.Tensor | None,
                  logits: torch.Tensor | None, router_logits: bool, attention_mask: torch.Tensor | None) -> Any:
     """Step 5: the model's output object from the loss, the logits and the decoder's outputs:
     ``CausalLMOutputWithPast`` (``Moe...`` with the router loss added for a mixture of experts),
@@ -514,12 +526,12 @@ def model_output(model: torch.nn.Module, spec: FusedLossSpec, outputs: Any, loss
     return output_class(**fields)
 
 
-def _router_loss_fields(model: torch.nn.Module, spec: FusedLossSpec, outputs: Any, loss: torch.Tensor | None,
+def _router_loss_fields(model: PreTrainedModel, spec: FusedLossSpec, outputs: Any, loss: torch.Tensor | None,
                         router_logits: bool, attention_mask: torch.Tensor | None) -> dict[str, Any]:
     """``loss`` (plus ``router_aux_loss_coef * aux`` when router logits were asked), ``aux_loss``
     and ``router_logits`` of a mixture-of-experts output."""
     aux_loss = None
-    if router_logits:
+    if router_logits and spec.router_aux_loss_fn is not None:  # a mixture of experts names its loss
         text_config = text_config_of(model.config)
         aux_loss = _qualified(spec.router_aux_loss_fn)(
             outputs.router_logits, _model_or_config(model, text_config, spec.num_experts_attr),
@@ -604,7 +616,7 @@ def _build_fused_loss_forward(spec: FusedLossSpec):
 
     # The body's named parameters (less ``spec``), which the Trainer and generate() read.
     parameters = list(inspect.signature(_fused_loss_forward).parameters.values())
-    forward.__signature__ = inspect.Signature([parameters[0]] + parameters[2:])
+    forward.__signature__ = inspect.Signature([parameters[0]] + parameters[2:])  # type: ignore[attr-defined]
     forward.__doc__ = fused_loss_forward.__doc__
     forward.__qualname__ = "liger_causal_lm_forward"
     if spec.extra_parameters:
@@ -612,7 +624,8 @@ def _build_fused_loss_forward(spec: FusedLossSpec):
         parameters = list(signature.parameters.values())
         extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
                  for name in spec.extra_parameters if name not in signature.parameters]
-        forward.__signature__ = signature.replace(parameters=parameters[:-1] + extra + parameters[-1:])
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=parameters[:-1] + extra + parameters[-1:])
     return set_recipe(forward, fused_loss_forward, spec)
 
 
