@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.head_epilogue import LSE, HeadEpilogueConfig, check_temperature, row_statistics
-from liger_kernel.ops.launch import is_interpreter, launch_kernel
+from liger_kernel.ops.launch import is_interpreter
 from liger_kernel.ops.numerics import round_to_dtype
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
