@@ -3,7 +3,7 @@
 * no import circle among the modules of ``src/liger_kernel`` or of ``benchmarks`` (function-level
   imports included: a circle closed by a lazy import is still a circle a reader has to untangle);
 * the layers import downwards only: ``ops`` and ``reference`` nothing of the other layers,
-  ``chunked_loss`` nothing of ``transformers``;
+  ``chunked_loss`` nothing of ``transformers``, ``hub`` nothing but ``ops``;
 * no function in ``src/`` longer than :data:`MAX_FUNCTION_LINES`, except the Triton kernels named
   in :data:`LONG_KERNELS` with the reason each one stays whole.
 """
@@ -121,9 +121,11 @@ def test_no_import_cycles(package):
 
 # Layer -> the layers it must not import.
 FORBIDDEN_IMPORTS = {
-    "liger_kernel.ops": ("liger_kernel.transformers", "liger_kernel.chunked_loss"),
+    "liger_kernel.ops": ("liger_kernel.transformers", "liger_kernel.chunked_loss", "liger_kernel.hub"),
     "liger_kernel.reference": ("liger_kernel.transformers", "liger_kernel.chunked_loss", "liger_kernel.ops"),
-    "liger_kernel.chunked_loss": ("liger_kernel.transformers",),
+    "liger_kernel.chunked_loss": ("liger_kernel.transformers", "liger_kernel.hub"),
+    # The Hub-kernel build bundles the layers with liger_kernel.ops only.
+    "liger_kernel.hub": ("liger_kernel.transformers", "liger_kernel.chunked_loss", "liger_kernel.reference"),
 }
 
 
