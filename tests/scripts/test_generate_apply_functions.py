@@ -28,13 +28,13 @@ def test_committed_module_matches_the_generator():
 
 def test_written_functions_match_the_built_ones():
     """A written function has the signature and docstring the registry would build for its
-    model type, and is the registry's entry."""
+    model type, and is the registry's entry wherever the installed transformers lists it."""
     from liger_kernel.transformers.patching import api, apply_functions, registry
 
     for model_type in api.written_model_types():
         written = getattr(apply_functions, api.apply_function_name(model_type))
         built = registry._built_apply_function(model_type)
-        assert registry.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type] is written
+        assert registry.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type, written) is written
         assert inspect.signature(written) == inspect.signature(built), model_type
         assert inspect.getdoc(written) == inspect.getdoc(built), model_type
 

@@ -3,10 +3,10 @@
 :func:`_apply_liger_kernel_to_instance` (one model, by its own model type; what
 ``transformers.Trainer(use_liger_kernel=True)`` calls) and :func:`liger_kernel_patched`.
 
-The registry holds the written-out functions of
-:mod:`~liger_kernel.transformers.patching.apply_functions` and, for every other model type the
-installed transformers lists for causal LM or image-text-to-text, a function built here from
-the same data (:func:`~liger_kernel.transformers.patching.api.apply_parameters`,
+The registry holds, for the table's families and every model type the installed transformers
+lists for causal LM or image-text-to-text, the written-out function of
+:mod:`~liger_kernel.transformers.patching.apply_functions` or, where there is none, a function
+built here from the same data (:func:`~liger_kernel.transformers.patching.api.apply_parameters`,
 :func:`~liger_kernel.transformers.patching.api.apply_docstring`) with the same body.
 """
 
@@ -64,16 +64,18 @@ def _built_apply_function(model_type: str) -> Callable[..., PatchReport | None]:
 
 
 def _registry() -> dict[str, Callable[..., Any]]:
-    """Every written-out model type, then every other one transformers lists for causal LM or
-    image-text-to-text."""
-    registry: dict[str, Callable[..., Any]] = {
-        model_type: getattr(apply_functions, apply_function_name(model_type))
-        for model_type in apply_functions.MODEL_TYPES
-    }
+    """The table's families, then every model type transformers lists for causal LM or
+    image-text-to-text: its written-out function where there is one, else one built here. (A
+    written-out name transformers does not list stays importable, but is not registered.)"""
+    def apply_function(model_type: str) -> Callable[..., Any]:
+        written = getattr(apply_functions, apply_function_name(model_type), None)
+        return written if written is not None else _built_apply_function(model_type)
+
+    registry: dict[str, Callable[..., Any]] = {model_type: apply_function(model_type) for model_type in FAMILIES}
     for mapping in _hf_mappings():
         for model_type in mapping:
             if model_type not in registry:
-                registry[model_type] = _built_apply_function(model_type)
+                registry[model_type] = apply_function(model_type)
     return registry
 
 
