@@ -43,14 +43,16 @@ def _apply(model_type: str, model: PreTrainedModel | None, **options: bool) -> P
 '''
 
 
-def _wrapped(items: list[str], indent: str) -> list[str]:
-    """``items``, each followed by a comma, packed into lines of at most 110 characters starting
-    with ``indent`` (an item is never split)."""
+def _wrapped(items: list[str], indent: str, last: str = ",") -> list[str]:
+    """``items`` joined by commas (``last`` after the final one) and packed into lines of at most
+    110 characters; the first line starts with ``indent``, the others 4 spaces further in (an item
+    is never split)."""
     lines = [indent]
-    for item in items:
-        if lines[-1] != indent and len(lines[-1]) + len(item) + 2 > 110:
-            lines.append(indent)
-        lines[-1] += ("" if lines[-1] == indent else " ") + item + ","
+    for i, item in enumerate(items):
+        text = item + (last if i == len(items) - 1 else ",")
+        if lines[-1].strip() and len(lines[-1]) + len(text) + 1 > 110:
+            lines.append(indent + ("    " if last != "," else ""))
+        lines[-1] += (" " if lines[-1].strip() and not lines[-1].endswith("(") else "") + text
     return lines
 
 
@@ -64,7 +66,7 @@ def render_function(model_type: str) -> str:
     docstring = textwrap.indent(api.apply_docstring(model_type), "    ")
     return "\n".join([f"def {api.apply_function_name(model_type)}(", *_wrapped(parameters, "    "),
                       ") -> PatchReport | None:", f'    """{docstring.lstrip()}\n    """',
-                      f'    return _apply(\n        "{model_type}", model,', *_wrapped(options, "        "), "    )"])
+                      *_wrapped([f'return _apply("{model_type}", model', *options], "    ", last=")")])
 
 
 def render() -> str:

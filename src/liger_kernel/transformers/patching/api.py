@@ -189,17 +189,15 @@ def apply_parameters(model_type: str) -> tuple[str, ...]:
 
 
 _OPTION_DOCS = {
-    "cross_entropy": "Liger cross entropy as the model's loss function (logits materialised); exclusive "
-                     "with ``fused_linear_cross_entropy``.",
+    "cross_entropy": "Liger cross entropy as the loss function, on materialised logits (exclusive with "
+                     "``fused_linear_cross_entropy``).",
     "fused_linear_cross_entropy": "fused lm-head + cross-entropy forward (no logits in training).",
     "layer_norm": "Liger LayerNorm for the LayerNorm modules discovery proves equal.",
-    "model": "an instance to patch in place (returns a :class:`PatchReport`); None patches every "
-             "{model_type} model built afterwards (class level, undone by ``revert_liger_kernel({model_type!r})``).",
-    "recompute_norm_outputs": "with the fused forward, the norm outputs the projections save for backward "
-                              "are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden "
-                              "elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).",
-    "in_place": "let the norm and MLP backwards write gradients over buffers nothing else reads (False: "
-                "always out of place).",
+    "model": "an instance to patch in place (its :class:`PatchReport` returned); None: every {model_type} "
+             "model built afterwards (undone by ``revert_liger_kernel({model_type!r})``).",
+    "recompute_norm_outputs": "with the fused forward, recompute in backward the norm outputs the "
+                              "projections would keep (same values, less memory).",
+    "in_place": "let the norm and MLP backwards overwrite buffers nothing else reads.",
     "rope": "rotary embedding kernel in the function the attention calls.",
     "rms_norm": "Liger RMSNorm for the RMSNorm modules discovery proves equal.",
     "swiglu": "Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.",
@@ -224,14 +222,11 @@ def apply_docstring(model_type: str, width: int = 100) -> str:
     family = FAMILIES.get(model_type)
     if family is not None:
         summary = f"Patch {model_type} models ({family.causal_lm_class}) with Liger kernels."
-        details = ""
     else:
-        summary = f"Patch {model_type} models with every Liger kernel discovery proves equal."
-        details = ("The norms, gated MLPs and experts, the rotary function and the head and loss are found by "
-                   "structure and each is checked against its Liger replacement on a small probe before it is "
-                   "swapped; what fails stays Hugging Face's and the returned :class:`PatchReport` says why "
-                   "(:mod:`liger_kernel.transformers.patching.discovery`).")
-    lines = [summary, ""] + (textwrap.wrap(details, width) + [""] if details else []) + ["Args:"]
+        summary = (f"Patch {model_type} models with every Liger kernel discovery proves equal (a module is "
+                   "swapped only after a probe proved its replacement equal; "
+                   ":mod:`liger_kernel.transformers.patching.discovery`).")
+    lines = [*textwrap.wrap(summary, width), "", "Args:"]
     for name in apply_parameters(model_type):
         lines += textwrap.wrap(f"{name}: {_option_doc(model_type, name)}", width, initial_indent="    ",
                                subsequent_indent="        ", break_on_hyphens=False)

@@ -56,24 +56,20 @@ def apply_liger_kernel_to_llama(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``LlamaRMSNorm`` (offset 0.0, casting 'llama').
         swiglu: Liger swiglu kernel in ``LlamaMLP``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every llama
-            model built afterwards (class level, undone by ``revert_liger_kernel('llama')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every llama
+            model built afterwards (undone by ``revert_liger_kernel('llama')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "llama", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("llama", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, swiglu=swiglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_mistral(
@@ -85,24 +81,20 @@ def apply_liger_kernel_to_mistral(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``MistralRMSNorm`` (offset 0.0, casting 'llama').
         swiglu: Liger swiglu kernel in ``MistralMLP``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            mistral model built afterwards (class level, undone by ``revert_liger_kernel('mistral')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every mistral
+            model built afterwards (undone by ``revert_liger_kernel('mistral')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "mistral", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("mistral", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, swiglu=swiglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_mixtral(
@@ -114,24 +106,20 @@ def apply_liger_kernel_to_mixtral(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``MixtralRMSNorm`` (offset 0.0, casting 'llama').
         swiglu: Liger swiglu kernel in ``MixtralExperts``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            mixtral model built afterwards (class level, undone by ``revert_liger_kernel('mixtral')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every mixtral
+            model built afterwards (undone by ``revert_liger_kernel('mixtral')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "mixtral", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("mixtral", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, swiglu=swiglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_gemma(
@@ -143,24 +131,20 @@ def apply_liger_kernel_to_gemma(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``GemmaRMSNorm`` (offset 1.0, casting 'gemma').
         geglu: Liger geglu kernel in ``GemmaMLP``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every gemma
-            model built afterwards (class level, undone by ``revert_liger_kernel('gemma')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every gemma
+            model built afterwards (undone by ``revert_liger_kernel('gemma')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "gemma", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("gemma", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, geglu=geglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_gemma2(
@@ -172,24 +156,20 @@ def apply_liger_kernel_to_gemma2(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``Gemma2RMSNorm`` (offset 1.0, casting 'gemma').
         geglu: Liger geglu kernel in ``Gemma2MLP``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every gemma2
-            model built afterwards (class level, undone by ``revert_liger_kernel('gemma2')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every gemma2
+            model built afterwards (undone by ``revert_liger_kernel('gemma2')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "gemma2", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("gemma2", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, geglu=geglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen2(
@@ -201,24 +181,20 @@ def apply_liger_kernel_to_qwen2(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``Qwen2RMSNorm`` (offset 0.0, casting 'llama').
         swiglu: Liger swiglu kernel in ``Qwen2MLP``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every qwen2
-            model built afterwards (class level, undone by ``revert_liger_kernel('qwen2')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen2
+            model built afterwards (undone by ``revert_liger_kernel('qwen2')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "qwen2", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("qwen2", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, swiglu=swiglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen3(
@@ -230,24 +206,20 @@ def apply_liger_kernel_to_qwen3(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``Qwen3RMSNorm`` (offset 0.0, casting 'llama').
         swiglu: Liger swiglu kernel in ``Qwen3MLP``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every qwen3
-            model built afterwards (class level, undone by ``revert_liger_kernel('qwen3')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen3
+            model built afterwards (undone by ``revert_liger_kernel('qwen3')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "qwen3", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("qwen3", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, swiglu=swiglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_phi3(
@@ -259,24 +231,20 @@ def apply_liger_kernel_to_phi3(
 
     Args:
         rope: rotary embedding kernel for ``apply_rotary_pos_emb``.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for ``Phi3RMSNorm`` (offset 0.0, casting 'llama').
         swiglu: Liger swiglu kernel in ``Phi3MLP``.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every phi3
-            model built afterwards (class level, undone by ``revert_liger_kernel('phi3')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every phi3 model
+            built afterwards (undone by ``revert_liger_kernel('phi3')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "phi3", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("phi3", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, swiglu=swiglu,
+        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_gemma3(
@@ -284,36 +252,27 @@ def apply_liger_kernel_to_gemma3(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch gemma3 models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch gemma3 models with every Liger kernel discovery proves equal (a module is swapped only after a
+    probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every gemma3
-            model built afterwards (class level, undone by ``revert_liger_kernel('gemma3')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every gemma3
+            model built afterwards (undone by ``revert_liger_kernel('gemma3')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "gemma3", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("gemma3", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_gemma3_text(
@@ -321,37 +280,27 @@ def apply_liger_kernel_to_gemma3_text(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch gemma3_text models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch gemma3_text models with every Liger kernel discovery proves equal (a module is swapped only
+    after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            gemma3_text model built afterwards (class level, undone by
-            ``revert_liger_kernel('gemma3_text')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every
+            gemma3_text model built afterwards (undone by ``revert_liger_kernel('gemma3_text')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "gemma3_text", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("gemma3_text", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen2_vl(
@@ -359,37 +308,27 @@ def apply_liger_kernel_to_qwen2_vl(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch qwen2_vl models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch qwen2_vl models with every Liger kernel discovery proves equal (a module is swapped only after
+    a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            qwen2_vl model built afterwards (class level, undone by
-            ``revert_liger_kernel('qwen2_vl')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen2_vl
+            model built afterwards (undone by ``revert_liger_kernel('qwen2_vl')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "qwen2_vl", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("qwen2_vl", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen2_5_vl(
@@ -397,37 +336,27 @@ def apply_liger_kernel_to_qwen2_5_vl(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch qwen2_5_vl models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch qwen2_5_vl models with every Liger kernel discovery proves equal (a module is swapped only
+    after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            qwen2_5_vl model built afterwards (class level, undone by
-            ``revert_liger_kernel('qwen2_5_vl')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen2_5_vl
+            model built afterwards (undone by ``revert_liger_kernel('qwen2_5_vl')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "qwen2_5_vl", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("qwen2_5_vl", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen3_moe(
@@ -435,37 +364,27 @@ def apply_liger_kernel_to_qwen3_moe(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch qwen3_moe models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch qwen3_moe models with every Liger kernel discovery proves equal (a module is swapped only
+    after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            qwen3_moe model built afterwards (class level, undone by
-            ``revert_liger_kernel('qwen3_moe')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen3_moe
+            model built afterwards (undone by ``revert_liger_kernel('qwen3_moe')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "qwen3_moe", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("qwen3_moe", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen3_next(
@@ -473,37 +392,27 @@ def apply_liger_kernel_to_qwen3_next(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch qwen3_next models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch qwen3_next models with every Liger kernel discovery proves equal (a module is swapped only
+    after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            qwen3_next model built afterwards (class level, undone by
-            ``revert_liger_kernel('qwen3_next')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen3_next
+            model built afterwards (undone by ``revert_liger_kernel('qwen3_next')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "qwen3_next", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("qwen3_next", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen3_5(
@@ -511,36 +420,27 @@ def apply_liger_kernel_to_qwen3_5(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch qwen3_5 models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch qwen3_5 models with every Liger kernel discovery proves equal (a module is swapped only after
+    a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            qwen3_5 model built afterwards (class level, undone by ``revert_liger_kernel('qwen3_5')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen3_5
+            model built afterwards (undone by ``revert_liger_kernel('qwen3_5')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "qwen3_5", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("qwen3_5", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_mllama(
@@ -548,36 +448,27 @@ def apply_liger_kernel_to_mllama(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch mllama models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch mllama models with every Liger kernel discovery proves equal (a module is swapped only after a
+    probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every mllama
-            model built afterwards (class level, undone by ``revert_liger_kernel('mllama')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every mllama
+            model built afterwards (undone by ``revert_liger_kernel('mllama')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "mllama", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("mllama", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_glm4(
@@ -585,36 +476,27 @@ def apply_liger_kernel_to_glm4(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch glm4 models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch glm4 models with every Liger kernel discovery proves equal (a module is swapped only after a
+    probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every glm4
-            model built afterwards (class level, undone by ``revert_liger_kernel('glm4')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every glm4 model
+            built afterwards (undone by ``revert_liger_kernel('glm4')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "glm4", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("glm4", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_glm4v(
@@ -622,36 +504,27 @@ def apply_liger_kernel_to_glm4v(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch glm4v models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch glm4v models with every Liger kernel discovery proves equal (a module is swapped only after a
+    probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every glm4v
-            model built afterwards (class level, undone by ``revert_liger_kernel('glm4v')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every glm4v
+            model built afterwards (undone by ``revert_liger_kernel('glm4v')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "glm4v", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("glm4v", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_granite(
@@ -659,36 +532,27 @@ def apply_liger_kernel_to_granite(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch granite models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch granite models with every Liger kernel discovery proves equal (a module is swapped only after
+    a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            granite model built afterwards (class level, undone by ``revert_liger_kernel('granite')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every granite
+            model built afterwards (undone by ``revert_liger_kernel('granite')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "granite", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("granite", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_llava(
@@ -696,36 +560,27 @@ def apply_liger_kernel_to_llava(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch llava models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch llava models with every Liger kernel discovery proves equal (a module is swapped only after a
+    probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every llava
-            model built afterwards (class level, undone by ``revert_liger_kernel('llava')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every llava
+            model built afterwards (undone by ``revert_liger_kernel('llava')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "llava", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("llava", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_olmo2(
@@ -733,36 +588,27 @@ def apply_liger_kernel_to_olmo2(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch olmo2 models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch olmo2 models with every Liger kernel discovery proves equal (a module is swapped only after a
+    probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every olmo2
-            model built afterwards (class level, undone by ``revert_liger_kernel('olmo2')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every olmo2
+            model built afterwards (undone by ``revert_liger_kernel('olmo2')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "olmo2", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("olmo2", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_paligemma(
@@ -770,37 +616,27 @@ def apply_liger_kernel_to_paligemma(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch paligemma models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch paligemma models with every Liger kernel discovery proves equal (a module is swapped only
+    after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            paligemma model built afterwards (class level, undone by
-            ``revert_liger_kernel('paligemma')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every paligemma
+            model built afterwards (undone by ``revert_liger_kernel('paligemma')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "paligemma", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("paligemma", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_gpt_oss(
@@ -808,36 +644,27 @@ def apply_liger_kernel_to_gpt_oss(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch gpt_oss models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch gpt_oss models with every Liger kernel discovery proves equal (a module is swapped only after
+    a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every
-            gpt_oss model built afterwards (class level, undone by ``revert_liger_kernel('gpt_oss')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every gpt_oss
+            model built afterwards (undone by ``revert_liger_kernel('gpt_oss')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "gpt_oss", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("gpt_oss", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_llama4(
@@ -845,33 +672,24 @@ def apply_liger_kernel_to_llama4(
     rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
     model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
-    """Patch llama4 models with every Liger kernel discovery proves equal.
-
-    The norms, gated MLPs and experts, the rotary function and the head and loss are found by structure
-    and each is checked against its Liger replacement on a small probe before it is swapped; what fails
-    stays Hugging Face's and the returned :class:`PatchReport` says why
-    (:mod:`liger_kernel.transformers.patching.discovery`).
+    """Patch llama4 models with every Liger kernel discovery proves equal (a module is swapped only after a
+    probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
 
     Args:
         rope: rotary embedding kernel in the function the attention calls.
-        cross_entropy: Liger cross entropy as the model's loss function (logits materialised); exclusive
-            with ``fused_linear_cross_entropy``.
+        cross_entropy: Liger cross entropy as the loss function, on materialised logits (exclusive with
+            ``fused_linear_cross_entropy``).
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
         swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
         geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
-        model: an instance to patch in place (returns a :class:`PatchReport`); None patches every llama4
-            model built afterwards (class level, undone by ``revert_liger_kernel('llama4')``).
-        recompute_norm_outputs: with the fused forward, the norm outputs the projections save for
-            backward are recomputed there instead of kept (bitwise the same values, 2 x tokens x hidden
-            elements less memory per layer; :mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and MLP backwards write gradients over buffers nothing else reads (False:
-            always out of place).
+        model: an instance to patch in place (its :class:`PatchReport` returned); None: every llama4
+            model built afterwards (undone by ``revert_liger_kernel('llama4')``).
+        recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
+            projections would keep (same values, less memory).
+        in_place: let the norm and MLP backwards overwrite buffers nothing else reads.
     """
-    return _apply(
-        "llama4", model,
-        rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-        rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu,
-        recompute_norm_outputs=recompute_norm_outputs, in_place=in_place,
-    )
+    return _apply("llama4", model, rope=rope, cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
+        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
