@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     device_type = choose_device(args.cpu_tiny)
     tiny = device_type == "cpu"
 
-    import torch  # noqa: E402  (after the interpreter switch)
+    import torch
 
     from benchmarks import harness
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.e2e_training import build_config, build_model, make_optimizer, token_batches, train_step  # noqa: E402
+from benchmarks.e2e_training import build_config, build_model, make_optimizer, token_batches, train_step
 
 
 def main() -> int:

@@ -13,9 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.utils import DEVICE, FULL_SHAPES  # noqa: E402
+from tests.utils import DEVICE, FULL_SHAPES
 
 
 def pytest_report_header(config):

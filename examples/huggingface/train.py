@@ -31,9 +31,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before liger_kernel imports triton
 
-import transformers  # noqa: E402
-from liger_kernel.transformers import liger_patched_modules  # noqa: E402
-from transformers import (  # noqa: E402
+import transformers
+from liger_kernel.transformers import liger_patched_modules
+from transformers import (
     AutoModelForCausalLM,
     HfArgumentParser,
     LlamaConfig,

@@ -40,7 +40,7 @@ from torch import nn
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before liger_kernel imports triton
 
-from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: E402
+from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
 DEFAULTS = {
     # CPU: every kernel goes through the interpreter, so keep it tiny.

@@ -26,11 +26,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from liger_kernel.transformers import _apply_liger_kernel_to_instance, revert_liger_kernel  # noqa: E402
-from liger_kernel.transformers.causal_lm import liger_causal_lm_loss  # noqa: E402
-from liger_kernel.transformers.monkey_patch import _instance_patched  # noqa: E402
-from tests.transformers.model_configs import VOCAB, build_model, random_batch  # noqa: E402
-from tests.utils import DEVICE  # noqa: E402
+from liger_kernel.transformers import _apply_liger_kernel_to_instance, revert_liger_kernel
+from liger_kernel.transformers.causal_lm import liger_causal_lm_loss
+from liger_kernel.transformers.monkey_patch import _instance_patched
+from tests.transformers.model_configs import VOCAB, build_model, random_batch
+from tests.utils import DEVICE
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}
 

@@ -52,16 +52,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: E402
+from liger_kernel.transformers import _apply_liger_kernel_to_instance
 from liger_kernel.transformers.monkey_patch import _instance_patched
-from tests.transformers.model_configs import (  # noqa: E402
+from tests.transformers.model_configs import (
     MODEL_TYPES,
     build_model,
     convergence_config,
     loss_and_grads,
     random_batch,
 )
-from tests.utils import DEVICE, FULL_SHAPES  # noqa: E402
+from tests.utils import DEVICE, FULL_SHAPES
 
 STEPS = 32
 BATCH, SEQ = (4, 64) if FULL_SHAPES else (2, 16)

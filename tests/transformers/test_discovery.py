@@ -9,11 +9,11 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from liger_kernel.ops.rope import ROTATE_HALF, TABLE_FIRST_HALF, TABLE_PAIR, RopeLayout  # noqa: E402
-from liger_kernel.transformers.patching import discovery  # noqa: E402
-from liger_kernel.transformers.rope import liger_rotary_pos_emb  # noqa: E402
-from tests.transformers.census.tiny_configs import tiny_model  # noqa: E402
-from tests.utils import DEVICE  # noqa: E402
+from liger_kernel.ops.rope import ROTATE_HALF, TABLE_FIRST_HALF, TABLE_PAIR, RopeLayout
+from liger_kernel.transformers.patching import discovery
+from liger_kernel.transformers.rope import liger_rotary_pos_emb
+from tests.transformers.census.tiny_configs import tiny_model
+from tests.utils import DEVICE
 
 UPSTREAM_NAMES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gemma3_text", "qwen2", "qwen2_vl",
                   "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "mllama", "glm4", "glm4v", "granite",

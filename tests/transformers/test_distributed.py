@@ -216,7 +216,7 @@ def test_call_with_full_parameters_partitioned_runs_module_hooks(own_forward: bo
     assert parameters_are_sharded(linear)
     bound_forward = None
     if own_forward:  # e.g. another patch bound a forward on the instance
-        bound_forward = lambda h: h * 0  # noqa: E731
+        bound_forward = lambda h: h * 0
         linear.forward = bound_forward
     seen = []
     # Stands in for the wrapper's gather hook: it must run, with the hidden states as input.

@@ -10,12 +10,12 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from transformers.models.jetmoe.modeling_jetmoe import load_balancing_loss_func  # noqa: E402, F401 (the probe reads it here)
+from transformers.models.jetmoe.modeling_jetmoe import load_balancing_loss_func
 
-from liger_kernel.transformers.causal_lm import output_embedding_input  # noqa: E402
-from tests.transformers.census.test_census import run_case  # noqa: E402
-from tests.transformers.census.tiny_configs import CAUSAL_LM, IMAGE_TEXT, tiny_model  # noqa: E402
-from tests.utils import DEVICE  # noqa: E402
+from liger_kernel.transformers.causal_lm import output_embedding_input
+from tests.transformers.census.test_census import run_case
+from tests.transformers.census.tiny_configs import CAUSAL_LM, IMAGE_TEXT, tiny_model
+from tests.utils import DEVICE
 
 # One model type per layout of the head and loss the probe recognises.
 HEAD_LAYOUTS = [

@@ -21,20 +21,20 @@ import torch
 
 pytest.importorskip("transformers")
 
-from liger_kernel.transformers import (  # noqa: E402
+from liger_kernel.transformers import (
     MODEL_TYPE_TO_APPLY_LIGER_FN,
     _apply_liger_kernel,
     _apply_liger_kernel_to_instance,
     liger_kernel_patched,
     revert_liger_kernel,
 )
-from liger_kernel.transformers.families import FAMILIES  # noqa: E402
+from liger_kernel.transformers.families import FAMILIES
 from liger_kernel.transformers.monkey_patch import (
     _instance_patched,
-    with_global_overrides,  # noqa: E402
+    with_global_overrides,
 )
-from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
-from tests.transformers.model_configs import (  # noqa: E402
+from liger_kernel.transformers.rms_norm import LigerRMSNorm
+from tests.transformers.model_configs import (
     MODEL_TYPES,
     VOCAB,
     build_model,
@@ -42,7 +42,7 @@ from tests.transformers.model_configs import (  # noqa: E402
     random_batch,
     tiny_config,
 )
-from tests.utils import DEVICE  # noqa: E402
+from tests.utils import DEVICE
 
 # fp32 forward/backward of a 2-layer model: a few ulps per kernel, accumulated over layers.
 FP32_TOL = {"atol": 2e-5, "rtol": 1e-4}

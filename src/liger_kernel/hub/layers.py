@@ -155,7 +155,7 @@ def _probe_rms_norm(module: nn.Module, x: torch.Tensor) -> _NormPlan | None:
     with torch.no_grad():
         try:
             reference = type(module).forward(clone, probe_x)
-        except Exception:  # noqa: BLE001 - a forward that needs more than one tensor is not a plain norm
+        except Exception:  # a forward that needs more than one tensor is not a plain norm
             return None
         for plan in _NORM_CANDIDATES:
             result = LigerRMSNormFunction.apply(probe_x, probe_w, eps, plan.offset, plan.casting_mode, False)
@@ -265,7 +265,7 @@ def _probe_rope(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.
     with torch.no_grad():
         try:
             reference = type(module).forward(module, *probe, unsqueeze_dim)
-        except Exception:  # noqa: BLE001 - not the (q, k, cos, sin, unsqueeze_dim) function it claims to be
+        except Exception:  # not the (q, k, cos, sin, unsqueeze_dim) function it claims to be
             return None
         if not (isinstance(reference, tuple) and len(reference) == 2):
             return None
