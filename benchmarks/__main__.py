@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     device_type = choose_device(args.cpu_tiny)
     tiny = device_type == "cpu"
 
-    import torch
+    import torch  # after the interpreter switch
 
     from benchmarks import harness
 
