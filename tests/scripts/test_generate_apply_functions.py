@@ -33,7 +33,7 @@ def test_written_functions_match_the_built_ones():
 
     for model_type in api.written_model_types():
         written = getattr(apply_functions, api.apply_function_name(model_type))
-        built = registry._built_apply_function(model_type)
+        built = registry._BuiltApplyFunction(model_type)
         assert registry.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type, written) is written
         assert inspect.signature(written) == inspect.signature(built), model_type
         assert inspect.getdoc(written) == inspect.getdoc(built), model_type

@@ -127,7 +127,8 @@ class LigerRMSNormForGemma4(LigerRMSNorm):
                  init_fn: str = "ones", in_place: bool = False, with_scale: bool = True, **factory) -> None:
         if with_scale and dim is None:
             raise ValueError("LigerRMSNormForGemma4 needs dim when with_scale=True")
-        super().__init__(dim if with_scale else 0, eps, offset, casting_mode, init_fn, in_place, **factory)
+        super().__init__(dim if with_scale and dim is not None else 0, eps, offset, casting_mode, init_fn, in_place,
+                         **factory)
         self.with_scale = with_scale
         if not with_scale:
             del self.weight

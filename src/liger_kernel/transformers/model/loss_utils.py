@@ -22,7 +22,7 @@ __all__ = ["LigerForCausalLMLoss"]
 _LOSS_PARAMETERS = frozenset(inspect.signature(liger_fused_linear_cross_entropy).parameters)
 
 
-def LigerForCausalLMLoss(  # noqa: N802 - the callers' name
+def LigerForCausalLMLoss(  # the callers' name
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor | None,

@@ -20,11 +20,11 @@ from typing import Any
 from torch import nn
 
 from liger_kernel.transformers.causal_lm import fused_loss_forward, liger_causal_lm_loss
-from liger_kernel.transformers.families import FAMILIES, ModelFamily
+from liger_kernel.transformers.families import FAMILIES, GELU_TANH_ACTIVATIONS, SILU_ACTIVATIONS, ModelFamily
 from liger_kernel.transformers.patching import class_level
 from liger_kernel.transformers.patching.generic import patch_discovered
 from liger_kernel.transformers.patching.instance import fused_loss_spec, patch_instance, unwrap_peft
-from liger_kernel.transformers.patching.options import PatchOptions
+from liger_kernel.transformers.patching.options import GATED_OPTIONS, PatchOptions
 from liger_kernel.transformers.patching.replacements import (
     liger_apply_gate,
     liger_experts_forward,
@@ -163,8 +163,8 @@ UPSTREAM_MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma
 # The keywords of an apply function, in order; ``{gated}`` is the family's gated-MLP option.
 _FAMILY_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "{gated}", "model",
                       "recompute_norm_outputs", "in_place")
-_DISCOVERED_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "layer_norm", "swiglu",
-                          "geglu", "model", "recompute_norm_outputs", "in_place")
+_DISCOVERED_PARAMETERS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "layer_norm", "{gated}",
+                          "model", "recompute_norm_outputs", "in_place")
 
 
 def written_model_types() -> tuple[str, ...]:
@@ -178,14 +178,52 @@ def apply_function_name(model_type: str) -> str:
     return f"apply_liger_kernel_to_{model_type.replace('-', '_')}"
 
 
+@functools.cache
 def apply_parameters(model_type: str) -> tuple[str, ...]:
-    """The keywords ``apply_liger_kernel_to_<model_type>`` takes, in order: a family of the table
-    takes its own gated-MLP option, any other model type every option discovery can use. Each
-    defaults to its :class:`PatchOptions` default, ``model`` to None."""
+    """The keywords ``apply_liger_kernel_to_<model_type>`` takes, in order. The gated-MLP keyword
+    is the family's own for a family of the table; for any other model type, the one whose kernel
+    reproduces the activation of its default config (:func:`gated_options_for`). Each defaults to
+    its :class:`PatchOptions` default, ``model`` to None."""
     family = FAMILIES.get(model_type)
-    if family is None:
-        return _DISCOVERED_PARAMETERS
-    return tuple(name.format(gated=family.mlp.option) for name in _FAMILY_PARAMETERS)
+    if family is not None:
+        return tuple(name.format(gated=family.mlp.option) for name in _FAMILY_PARAMETERS)
+    gated = gated_options_for(default_activation(model_type))
+    return tuple(option for name in _DISCOVERED_PARAMETERS for option in (gated if name == "{gated}" else (name,)))
+
+
+def default_activation(model_type: str) -> str | None:
+    """The MLP activation (``hidden_act``, else ``hidden_activation``) of ``model_type``'s default
+    config, or of its text config for a vision-language model; None when it has none or the
+    config cannot be built without arguments."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # default configs warn about their own placeholder ids
+    try:
+        config = CONFIG_MAPPING[model_type]()
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except Exception:  # any failure means: unknown
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    for attr in ("hidden_act", "hidden_activation"):
+        value = getattr(config, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def gated_options_for(activation: str | None) -> tuple[str, ...]:
+    """The gated-MLP keywords of an apply function for a model whose MLP uses ``activation``:
+    the one kernel that reproduces it, none when neither does, both when it is unknown."""
+    if activation is None:
+        return GATED_OPTIONS
+    if activation in SILU_ACTIVATIONS:
+        return ("swiglu",)
+    if activation in GELU_TANH_ACTIVATIONS:
+        return ("geglu",)
+    return ()
 
 
 _OPTION_DOCS = {
@@ -202,6 +240,9 @@ _OPTION_DOCS = {
     "rms_norm": "Liger RMSNorm for the RMSNorm modules discovery proves equal.",
     "swiglu": "Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.",
     "geglu": "Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.",
+    # The one gated-MLP keyword of a discovered model type whose default config names its activation.
+    "gated": "Liger {kernel} kernel in the gated MLPs and experts discovery proves equal (the keyword of "
+             "{model_type}'s activation; it switches every gated-MLP kernel).",
 }
 
 
@@ -214,6 +255,8 @@ def _option_doc(model_type: str, name: str) -> str:
         return f"Liger RMSNorm for ``{norm.class_name}`` (offset {norm.offset}, casting {norm.casting_mode!r})."
     if family is not None and name == family.mlp.option:
         return f"Liger {name} kernel in ``{family.mlp.class_name}``."
+    if name in GATED_OPTIONS and sum(option in apply_parameters(model_type) for option in GATED_OPTIONS) == 1:
+        return _OPTION_DOCS["gated"].format(kernel={"swiglu": "SwiGLU", "geglu": "GeGLU"}[name], model_type=model_type)
     return _OPTION_DOCS[name].format(model_type=model_type)
 
 
@@ -237,7 +280,12 @@ def apply_to_model_type(model_type: str, model: nn.Module | None, **options: boo
     """What every ``apply_liger_kernel_to_<model_type>`` does with its arguments: ``options``
     become one :class:`PatchOptions`; with ``model`` that instance is patched in place (its
     :class:`PatchReport` returned), without one the model type's classes are (None returned).
-    A family of the table is patched from its entry, any other model type by discovery."""
+    A family of the table is patched from its entry, any other model type by discovery. Where
+    the apply function lists one gated-MLP keyword, its value is also the other's: ``swiglu=False``
+    leaves no gated-MLP kernel."""
+    gated = [name for name in GATED_OPTIONS if name in options]
+    if len(gated) == 1:
+        options = {**options, **dict.fromkeys(GATED_OPTIONS, options[gated[0]])}
     patch_options = PatchOptions(**options)
     family = FAMILIES.get(model_type)
     if model is None:

@@ -249,8 +249,8 @@ def apply_liger_kernel_to_phi3(
 
 def apply_liger_kernel_to_gemma3(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, geglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch gemma3 models with every Liger kernel discovery proves equal (a module is swapped only after a
     probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -262,8 +262,8 @@ def apply_liger_kernel_to_gemma3(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        geglu: Liger GeGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            gemma3's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every gemma3
             model built afterwards (undone by ``revert_liger_kernel('gemma3')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -272,13 +272,13 @@ def apply_liger_kernel_to_gemma3(
     """
     return _apply("gemma3", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_gemma3_text(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, geglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch gemma3_text models with every Liger kernel discovery proves equal (a module is swapped only
     after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -290,8 +290,8 @@ def apply_liger_kernel_to_gemma3_text(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        geglu: Liger GeGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            gemma3_text's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every
             gemma3_text model built afterwards (undone by ``revert_liger_kernel('gemma3_text')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -300,13 +300,13 @@ def apply_liger_kernel_to_gemma3_text(
     """
     return _apply("gemma3_text", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen2_vl(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch qwen2_vl models with every Liger kernel discovery proves equal (a module is swapped only after
     a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -318,8 +318,8 @@ def apply_liger_kernel_to_qwen2_vl(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            qwen2_vl's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen2_vl
             model built afterwards (undone by ``revert_liger_kernel('qwen2_vl')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -328,13 +328,13 @@ def apply_liger_kernel_to_qwen2_vl(
     """
     return _apply("qwen2_vl", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen2_5_vl(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch qwen2_5_vl models with every Liger kernel discovery proves equal (a module is swapped only
     after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -346,8 +346,8 @@ def apply_liger_kernel_to_qwen2_5_vl(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            qwen2_5_vl's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen2_5_vl
             model built afterwards (undone by ``revert_liger_kernel('qwen2_5_vl')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -356,13 +356,13 @@ def apply_liger_kernel_to_qwen2_5_vl(
     """
     return _apply("qwen2_5_vl", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen3_moe(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch qwen3_moe models with every Liger kernel discovery proves equal (a module is swapped only
     after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -374,8 +374,8 @@ def apply_liger_kernel_to_qwen3_moe(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            qwen3_moe's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen3_moe
             model built afterwards (undone by ``revert_liger_kernel('qwen3_moe')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -384,13 +384,13 @@ def apply_liger_kernel_to_qwen3_moe(
     """
     return _apply("qwen3_moe", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen3_next(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch qwen3_next models with every Liger kernel discovery proves equal (a module is swapped only
     after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -402,8 +402,8 @@ def apply_liger_kernel_to_qwen3_next(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            qwen3_next's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen3_next
             model built afterwards (undone by ``revert_liger_kernel('qwen3_next')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -412,13 +412,13 @@ def apply_liger_kernel_to_qwen3_next(
     """
     return _apply("qwen3_next", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_qwen3_5(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch qwen3_5 models with every Liger kernel discovery proves equal (a module is swapped only after
     a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -430,8 +430,8 @@ def apply_liger_kernel_to_qwen3_5(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            qwen3_5's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every qwen3_5
             model built afterwards (undone by ``revert_liger_kernel('qwen3_5')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -440,13 +440,13 @@ def apply_liger_kernel_to_qwen3_5(
     """
     return _apply("qwen3_5", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_mllama(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch mllama models with every Liger kernel discovery proves equal (a module is swapped only after a
     probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -458,8 +458,8 @@ def apply_liger_kernel_to_mllama(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            mllama's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every mllama
             model built afterwards (undone by ``revert_liger_kernel('mllama')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -468,13 +468,13 @@ def apply_liger_kernel_to_mllama(
     """
     return _apply("mllama", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_glm4(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch glm4 models with every Liger kernel discovery proves equal (a module is swapped only after a
     probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -486,8 +486,8 @@ def apply_liger_kernel_to_glm4(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            glm4's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every glm4 model
             built afterwards (undone by ``revert_liger_kernel('glm4')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -496,13 +496,13 @@ def apply_liger_kernel_to_glm4(
     """
     return _apply("glm4", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_glm4v(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch glm4v models with every Liger kernel discovery proves equal (a module is swapped only after a
     probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -514,8 +514,8 @@ def apply_liger_kernel_to_glm4v(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            glm4v's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every glm4v
             model built afterwards (undone by ``revert_liger_kernel('glm4v')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -524,13 +524,13 @@ def apply_liger_kernel_to_glm4v(
     """
     return _apply("glm4v", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_granite(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch granite models with every Liger kernel discovery proves equal (a module is swapped only after
     a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -542,8 +542,8 @@ def apply_liger_kernel_to_granite(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            granite's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every granite
             model built afterwards (undone by ``revert_liger_kernel('granite')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -552,13 +552,13 @@ def apply_liger_kernel_to_granite(
     """
     return _apply("granite", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_llava(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch llava models with every Liger kernel discovery proves equal (a module is swapped only after a
     probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -570,8 +570,8 @@ def apply_liger_kernel_to_llava(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            llava's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every llava
             model built afterwards (undone by ``revert_liger_kernel('llava')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -580,13 +580,13 @@ def apply_liger_kernel_to_llava(
     """
     return _apply("llava", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_olmo2(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch olmo2 models with every Liger kernel discovery proves equal (a module is swapped only after a
     probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -598,8 +598,8 @@ def apply_liger_kernel_to_olmo2(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            olmo2's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every olmo2
             model built afterwards (undone by ``revert_liger_kernel('olmo2')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -608,13 +608,13 @@ def apply_liger_kernel_to_olmo2(
     """
     return _apply("olmo2", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_paligemma(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, geglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch paligemma models with every Liger kernel discovery proves equal (a module is swapped only
     after a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -626,8 +626,8 @@ def apply_liger_kernel_to_paligemma(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        geglu: Liger GeGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            paligemma's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every paligemma
             model built afterwards (undone by ``revert_liger_kernel('paligemma')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -636,13 +636,13 @@ def apply_liger_kernel_to_paligemma(
     """
     return _apply("paligemma", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_gpt_oss(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch gpt_oss models with every Liger kernel discovery proves equal (a module is swapped only after
     a probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -654,8 +654,8 @@ def apply_liger_kernel_to_gpt_oss(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            gpt_oss's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every gpt_oss
             model built afterwards (undone by ``revert_liger_kernel('gpt_oss')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -664,13 +664,13 @@ def apply_liger_kernel_to_gpt_oss(
     """
     return _apply("gpt_oss", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
 
 
 def apply_liger_kernel_to_llama4(
     rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, geglu: bool = True,
-    model: PreTrainedModel | None = None, recompute_norm_outputs: bool = True, in_place: bool = True,
+    rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True, model: PreTrainedModel | None = None,
+    recompute_norm_outputs: bool = True, in_place: bool = True,
 ) -> PatchReport | None:
     """Patch llama4 models with every Liger kernel discovery proves equal (a module is swapped only after a
     probe proved its replacement equal; :mod:`liger_kernel.transformers.patching.discovery`).
@@ -682,8 +682,8 @@ def apply_liger_kernel_to_llama4(
         fused_linear_cross_entropy: fused lm-head + cross-entropy forward (no logits in training).
         rms_norm: Liger RMSNorm for the RMSNorm modules discovery proves equal.
         layer_norm: Liger LayerNorm for the LayerNorm modules discovery proves equal.
-        swiglu: Liger SwiGLU kernel in the SiLU-gated MLPs and experts discovery proves equal.
-        geglu: Liger GeGLU kernel in the tanh-GELU-gated MLPs discovery proves equal.
+        swiglu: Liger SwiGLU kernel in the gated MLPs and experts discovery proves equal (the keyword of
+            llama4's activation; it switches every gated-MLP kernel).
         model: an instance to patch in place (its :class:`PatchReport` returned); None: every llama4
             model built afterwards (undone by ``revert_liger_kernel('llama4')``).
         recompute_norm_outputs: with the fused forward, recompute in backward the norm outputs the
@@ -692,4 +692,4 @@ def apply_liger_kernel_to_llama4(
     """
     return _apply("llama4", model, rope=rope, cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy, rms_norm=rms_norm, layer_norm=layer_norm,
-        swiglu=swiglu, geglu=geglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)
+        swiglu=swiglu, recompute_norm_outputs=recompute_norm_outputs, in_place=in_place)

@@ -13,6 +13,7 @@ built here from the same data (:func:`~liger_kernel.transformers.patching.api.ap
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterator
@@ -37,30 +38,45 @@ from liger_kernel.transformers.patching.report import PatchReport
 logger = logging.getLogger(__name__)
 
 
-def _built_apply_function(model_type: str) -> Callable[..., PatchReport | None]:
+class _BuiltApplyFunction:
     """``apply_liger_kernel_to_<model_type>`` for a model type not written out in
-    :mod:`~liger_kernel.transformers.patching.apply_functions`: the same signature, docstring
-    and body as a written one would have."""
-    defaults = PatchOptions()
-    parameters = [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                          default=None if name == "model" else getattr(defaults, name),
-                          annotation="PreTrainedModel | None" if name == "model" else "bool")
-        for name in apply_parameters(model_type)
-    ]
-    signature = inspect.Signature(parameters, return_annotation="PatchReport | None")
+    :mod:`~liger_kernel.transformers.patching.apply_functions`: the same signature, docstring and
+    body as a written one would have. A callable object rather than a function so that the
+    signature and docstring are computed on first use (they read the model type's default
+    config, which is not free for the ~300 model types registered at import)."""
 
-    def apply(*args: Any, **kwargs: Any) -> PatchReport | None:
-        bound = signature.bind(*args, **kwargs)
+    def __init__(self, model_type: str) -> None:
+        self.__name__ = self.__qualname__ = apply_function_name(model_type)
+        self.__module__ = "liger_kernel.transformers.monkey_patch"
+        self._model_type = model_type
+
+    @functools.cached_property
+    def __signature__(self) -> inspect.Signature:
+        defaults = PatchOptions()
+        parameters = [
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                              default=None if name == "model" else getattr(defaults, name),
+                              annotation="PreTrainedModel | None" if name == "model" else "bool")
+            for name in apply_parameters(self._model_type)
+        ]
+        return inspect.Signature(parameters, return_annotation="PatchReport | None")
+
+    @property
+    def __doc__(self) -> str:  # type: ignore[override]
+        return apply_docstring(self._model_type)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PatchReport | None:
+        bound = self.__signature__.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        return apply_to_model_type(model_type, arguments.pop("model"), **arguments)
+        return apply_to_model_type(self._model_type, arguments.pop("model"), **arguments)
 
-    apply.__name__ = apply.__qualname__ = apply_function_name(model_type)
-    apply.__module__ = "liger_kernel.transformers.monkey_patch"
-    apply.__signature__ = signature  # type: ignore[attr-defined]
-    apply.__doc__ = apply_docstring(model_type)
-    return apply
+    def __repr__(self) -> str:
+        return f"<function {self.__module__}.{self.__name__}>"
+
+    def __reduce__(self) -> str:
+        # Pickled (and deep-copied) by name, as a module-level function is.
+        return self.__name__
 
 
 def _registry() -> dict[str, Callable[..., Any]]:
@@ -69,7 +85,7 @@ def _registry() -> dict[str, Callable[..., Any]]:
     written-out name transformers does not list stays importable, but is not registered.)"""
     def apply_function(model_type: str) -> Callable[..., Any]:
         written = getattr(apply_functions, apply_function_name(model_type), None)
-        return written if written is not None else _built_apply_function(model_type)
+        return written if written is not None else _BuiltApplyFunction(model_type)
 
     registry: dict[str, Callable[..., Any]] = {model_type: apply_function(model_type) for model_type in FAMILIES}
     for mapping in _hf_mappings():
@@ -89,23 +105,29 @@ def _callable_name(fn: Any) -> str:
     return name if isinstance(name, str) else repr(fn)
 
 
-def _accepted_kwargs(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` restricted to the options ``fn`` takes; the rest dropped with a warning.
+def _accepted_kwargs(fn: Callable, kwargs: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+    """``kwargs`` restricted to the options ``fn`` takes; the rest dropped with a warning naming them.
 
-    Raises ``TypeError`` for a keyword that is no patch option at all. A callable whose
-    signature cannot be read, or that takes ``**kwargs``, gets everything.
+    ``strict``: a keyword that is no patch option at all raises ``TypeError`` (else it is
+    dropped like the others). A callable whose signature cannot be read, or that takes
+    ``**kwargs``, gets everything.
     """
-    check_option_names(kwargs)
+    if strict:
+        check_option_names(kwargs)
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return dict(kwargs)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return dict(kwargs)
-    dropped = sorted(set(kwargs) - set(parameters))
+    return _dropping(kwargs, set(parameters), _callable_name(fn))
+
+
+def _dropping(kwargs: dict[str, Any], accepted: set[str], taker: str) -> dict[str, Any]:
+    dropped = sorted(set(kwargs) - accepted)
     if dropped:
-        logger.warning("%s does not take %s; ignoring them.", _callable_name(fn), ", ".join(dropped))
-    return {name: value for name, value in kwargs.items() if name in parameters}
+        logger.warning("%s does not take %s; ignoring them.", taker, ", ".join(dropped))
+    return {name: value for name, value in kwargs.items() if name in accepted}
 
 
 def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
@@ -128,8 +150,10 @@ def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
 def _apply_liger_kernel_to_instance(model: nn.Module, **kwargs: Any) -> PatchReport | None:
     """Patch ``model`` (a ``PreTrainedModel`` or a PEFT wrapper of one) in place for its own model type.
 
-    Returns what the model type's apply function returns (a :class:`PatchReport` for the
-    library's own ones), None when the model type has none.
+    Keywords the model type's apply function does not take are dropped with a warning that
+    names them, as upstream Liger does (callers such as the HF Trainer and verl pass one set
+    of options, e.g. ``swiglu=True``, for every model type). Returns what the apply function
+    returns (a :class:`PatchReport` for the library's own ones).
     """
     model = unwrap_peft(model)
     kwargs.pop("model", None)
@@ -142,8 +166,9 @@ def _apply_liger_kernel_to_instance(model: nn.Module, **kwargs: Any) -> PatchRep
                             and not _is_family_model(model, family)):
         # A model type transformers does not list, or a table model type whose config builds
         # another family's classes: discovery decides from the modules themselves.
-        return patch_discovered(model, PatchOptions.from_kwargs(**kwargs))
-    return apply_fn(model=model, **_accepted_kwargs(apply_fn, kwargs))
+        options = _dropping(kwargs, set(PatchOptions.names()), "the Liger patch")
+        return patch_discovered(model, PatchOptions.from_kwargs(**options))
+    return apply_fn(model=model, **_accepted_kwargs(apply_fn, kwargs, strict=False))
 
 
 def _is_family_model(model: nn.Module, family: ModelFamily) -> bool:
