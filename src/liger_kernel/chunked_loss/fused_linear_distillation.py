@@ -46,6 +46,7 @@ from liger_kernel.ops.chunked_head import (
     upstream_loss_gradient,
 )
 from liger_kernel.ops.head_epilogue import check_temperature
+from liger_kernel.ops.loss_checks import start_target_check
 
 
 def _as_groups(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -70,7 +71,9 @@ def distillation_token_fn(loss_fn, temperature, ignore_index, student_vocab, tea
         counted = target != ignore_index
         rows = z_s.shape[0]
         if compute_ce_loss:
-            ids = torch.where(counted, target, torch.zeros_like(target)).long().unsqueeze(-1)
+            # Out-of-range labels read token 0 (the range check raises once the chunks are queued).
+            inside = counted & (target >= 0) & (target < student_vocab)
+            ids = torch.where(inside, target, torch.zeros_like(target)).long().unsqueeze(-1)
             hard = -z_s.log_softmax(-1).gather(-1, ids).squeeze(-1) * counted
         else:
             hard = z_s.new_zeros(rows)
@@ -129,10 +132,11 @@ class LigerFusedLinearDistillationBase(EagerUnderCompile, torch.autograd.Functio
         if teacher_vocab < student_vocab:
             raise ValueError(f"the teacher's vocabulary ({teacher_vocab}) is smaller than the student's ({student_vocab})")
         counted = target != ignore_index
-        if compute_ce_loss and counted.any():
-            labels = target[counted]
-            if int(labels.min()) < 0 or int(labels.max()) >= student_vocab:
-                raise ValueError(f"target labels must lie in [0, {student_vocab}) or equal ignore_index")
+        # Awaited after the chunk loop is queued (no host sync before it); a bad label reads token 0.
+        flat_target = target.reshape(-1).long()
+        target_check = start_target_check(flat_target, flat_target.shape[0], student_vocab, ignore_index,
+                                          "target labels") \
+            if compute_ce_loss else None
         n_valid = counted.sum().clamp(min=1).float()
         loss_kwargs = dict(loss_kwargs, beta=beta)
         # The cross-entropy costs a second log-softmax of every chunk: skipped when nothing reads it.
@@ -155,6 +159,8 @@ class LigerFusedLinearDistillationBase(EagerUnderCompile, torch.autograd.Functio
             *one_dtype_head(x_s, student_weight, student_bias), token_fn, group_fn, token_args=(target,),
             ref_x=teacher[0], ref_weight=teacher[1], ref_bias=teacher[2], needs=needs, ref_logits_to_token_fn=True,
             accum_fp32=accum_dtype == torch.float32)
+        if target_check is not None:
+            target_check.wait()
         grads = grads_in_dtypes(grads, x_s, student_weight, student_bias)
         if grads.x is not None:
             grads.x = grads.x.view(student_input.shape)

@@ -55,6 +55,7 @@ from liger_kernel.ops.chunked_head import (
 )
 from liger_kernel.ops.fused_linear_logprobs import log_prob_entropy_rows
 from liger_kernel.ops.head_epilogue import check_temperature
+from liger_kernel.ops.loss_checks import start_target_check
 
 
 def batch_token_normalizer(attention_mask: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -159,9 +160,11 @@ class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
                 raise ValueError(f"{name} must have shape {batch_shape}, got {tuple(t.shape)}")
         if selected_token_ids.dtype.is_floating_point:
             raise TypeError(f"selected_token_ids must be integer token ids, got {selected_token_ids.dtype}")
-        counted_ids = selected_token_ids[attention_mask.bool()]
-        if counted_ids.numel() and (int(counted_ids.min()) < 0 or int(counted_ids.max()) >= weight.shape[0]):
-            raise ValueError(f"selected_token_ids of counted tokens must lie in [0, {weight.shape[0]})")
+        # Awaited after the chunk loop is queued (no host sync before it); a bad id reads token 0.
+        uncounted = -(2**62)
+        counted_ids = torch.where(attention_mask.bool(), selected_token_ids.long(), uncounted).reshape(-1)
+        target_check = start_target_check(counted_ids, counted_ids.shape[0], weight.shape[0], uncounted,
+                                          "selected_token_ids (counted tokens)")
         device = _input.device
         _check_side_tensor(advantages, "advantages", batch_shape, device, [(), (batch_shape[1],)])
         _check_side_tensor(ref_per_token_logps, "ref_per_token_logps", batch_shape, device, [(batch_shape[1],)])
@@ -222,6 +225,7 @@ class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
             *one_dtype_head(x, weight, bias), log_prob_entropy_rows(temperature, with_entropy=False), group_fn,
             token_args=(token_ids,), group_args=[t for _, t in present], ref_x=head[0],
             ref_weight=head[1], ref_bias=head[2], needs=needs)
+        target_check.wait()
         if grads.x is not None:
             grads.x = grads.x.view(_input.shape)
         save_head_grads(ctx, grads_in_dtypes(grads, _input, weight, bias))

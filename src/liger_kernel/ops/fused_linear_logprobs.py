@@ -48,6 +48,7 @@ from liger_kernel.ops.chunked_head import (
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.head_chunking import gemm_reduction_precision, gradient_bytes
 from liger_kernel.ops.head_epilogue import LogitRowStatistics, check_temperature
+from liger_kernel.ops.loss_checks import start_target_check
 
 
 def log_prob_entropy_rows(temperature: float = 1.0, ignore_index: int | None = None,
@@ -67,9 +68,12 @@ def _check(x, weight, bias, target, temperature, ignore_index):
         raise ValueError(f"target must have shape {tuple(x.shape[:-1])} (the input's leading shape), "
                          f"got {tuple(target.shape)}")
     check_head_args(x.reshape(1, -1, x.shape[-1]), weight, bias)
-    counted = target[target != ignore_index]
-    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= weight.shape[0]):
-        raise ValueError(f"target must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}")
+    # The range check's verdict is awaited once the chunk loop is queued (waiting first would
+    # drain the GPU's queue and expose the backward's launches); a bad target never addresses
+    # memory (it reads token 0) and the results computed with it are discarded by the raise.
+    flat = target.reshape(-1)
+    return start_target_check(flat if flat.dtype in (torch.int64, torch.int32) else flat.long(), flat.shape[0],
+                              weight.shape[0], ignore_index)
 
 
 def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = (True, True)) -> list[tuple[int, int]]:
@@ -120,11 +124,12 @@ class LigerFusedLinearLogProbsFunction(EagerUnderCompile, torch.autograd.Functio
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, temperature=1.0, ignore_index=-100):
-        _check(x, weight, bias, target, temperature, ignore_index)
+        target_check = _check(x, weight, bias, target, temperature, ignore_index)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         t1 = target.reshape(-1)
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
         out = logprobs_and_entropy_forward(x2, weight, bias, t1, temperature, ignore_index, needs)
+        target_check.wait()
         ctx.save_for_backward(x2, weight, bias, t1)
         ctx.temperature, ctx.ignore_index, ctx.x_shape = temperature, ignore_index, x.shape
         lead = tuple(x.shape[:-1])
