@@ -195,8 +195,8 @@ def _run(step, inputs, upstream=None):
     return [out.detach() for out in outputs], upstream, [leaf.grad for leaf in leaves]
 
 
-# Its host-side target range check (``int(target.max())``) is data-dependent: Dynamo cannot trace
-# the forward as one graph.
+# Its chunk loop switches cuBLAS's reduction precision (global state Dynamo refuses to see
+# change), so it is a disabled region: Dynamo cannot trace the forward as one graph.
 _UNTRACEABLE = {"fused_linear_logprobs"}
 
 
@@ -228,7 +228,7 @@ def test_untraceable_cases_still_fail_to_trace(name):
             f"t.check_compiled_matches_eager({name!r})")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, f"{name} now traces as one graph: move it to the compiled-vs-eager test"
-    assert "DataDependent" in proc.stderr, proc.stderr[-2000:]
+    assert "torch.compiler.disable" in proc.stderr, proc.stderr[-2000:]
 
 
 def _dpo_loss():

@@ -28,6 +28,7 @@ from liger_kernel.chunked_loss.fused_linear_preference import (
     LigerFusedLinearPreferenceBase,
 )
 from liger_kernel.chunked_loss.simpo_loss import alphapo_rewards, smoothed_logistic_loss
+from liger_kernel.ops.autograd import InputGradients
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
@@ -71,8 +72,11 @@ class LigerFusedLinearCPOFunction(LigerFusedLinearPreferenceBase):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
-        return *grads, *(None,) * 11
+        grad_input, grad_weight, _, grad_bias = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
+        return _GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
+
+
+_GRADS = InputGradients(LigerFusedLinearCPOFunction.forward)
 
 
 class LigerFusedLinearCPOLoss(FusedLinearPreferenceModule):

@@ -73,6 +73,7 @@ import torch.nn.functional as F
 
 from liger_kernel.chunked_loss.fused_linear_preference import LigerFusedLinearPreferenceBase
 from liger_kernel.chunked_loss.simpo_loss import smoothed_logistic_loss
+from liger_kernel.ops.autograd import InputGradients
 
 # Types that are functions of the score difference d, so take any f-divergence.
 SCORE_DIFFERENCE_TYPES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "exo_pair", "robust", "discopop", "sft")
@@ -271,8 +272,11 @@ class LigerFusedLinearDPOFunction(LigerFusedLinearPreferenceBase):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
-        return *grads, *(None,) * 21
+        grad_input, grad_weight, _, grad_bias = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
+        return _GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
+
+
+_GRADS = InputGradients(LigerFusedLinearDPOFunction.forward)
 
 
 class LigerFusedLinearDPOLoss(torch.nn.Module):

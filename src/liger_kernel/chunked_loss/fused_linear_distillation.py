@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from liger_kernel.chunked_loss.fused_linear_ppo import grads_in_dtypes, one_dtype_head
-from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
@@ -171,7 +171,7 @@ class LigerFusedLinearDistillationBase(EagerUnderCompile, torch.autograd.Functio
         return loss
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_output, *args):
         """(d_student_input, d_student_weight, None, None, None, d_student_bias) scaled by the upstream gradient."""
         grad_x, grad_w, grad_b = scaled_head_grads(ctx, upstream_loss_gradient((grad_output,)))
@@ -201,7 +201,11 @@ class LabelledDistillationFunction(LigerFusedLinearDistillationBase):
 
     @staticmethod
     def backward(ctx, grad_output, *args):
-        return LigerFusedLinearDistillationBase.backward(ctx, grad_output, *args)[:6] + (None,) * 9
+        grad_input, grad_weight, *_, grad_bias = LigerFusedLinearDistillationBase.backward(ctx, grad_output, *args)[:6]
+        return _LABELLED_GRADS(student_input=grad_input, student_weight=grad_weight, student_bias=grad_bias)
+
+
+_LABELLED_GRADS = InputGradients(LabelledDistillationFunction.forward)
 
 
 class LabelledDistillationLoss(torch.nn.Module):

@@ -45,7 +45,7 @@ import inspect
 
 import torch
 
-from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, strictly_once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
@@ -114,6 +114,69 @@ def _check_side_tensor(t, name, batch_shape, device, allowed_trailing):
         raise ValueError(f"{name} must have shape {allowed}, got {tuple(t.shape)}")
 
 
+def _checked_batch(_input, weight, selected_token_ids, attention_mask, advantages, ref_per_token_logps,
+                   old_per_token_logps, vllm_is_ratio, temperature):
+    """The checks of a PPO-family call: ``(batch_shape, vllm_is_ratio as (B, 1) or (B, T), the pending
+    range check of the counted token ids)``. The range check is awaited after the chunk loop is
+    queued (no host sync before it); a bad id reads token 0 meanwhile."""
+    check_temperature(temperature)
+    if _input.dim() != 3:
+        raise ValueError(f"_input must be 3-D (batch, completion_len, hidden), got shape {tuple(_input.shape)}")
+    batch_shape = tuple(_input.shape[:2])
+    for name, t in (("selected_token_ids", selected_token_ids), ("attention_mask", attention_mask)):
+        check_tensor(t, name)
+        if tuple(t.shape) != batch_shape:
+            raise ValueError(f"{name} must have shape {batch_shape}, got {tuple(t.shape)}")
+    if selected_token_ids.dtype.is_floating_point:
+        raise TypeError(f"selected_token_ids must be integer token ids, got {selected_token_ids.dtype}")
+    uncounted = -(2**62)
+    counted_ids = torch.where(attention_mask.bool(), selected_token_ids.long(), uncounted).reshape(-1)
+    target_check = start_target_check(counted_ids, counted_ids.shape[0], weight.shape[0], uncounted,
+                                      "selected_token_ids (counted tokens)")
+    device = _input.device
+    _check_side_tensor(advantages, "advantages", batch_shape, device, [(), (batch_shape[1],)])
+    _check_side_tensor(ref_per_token_logps, "ref_per_token_logps", batch_shape, device, [(batch_shape[1],)])
+    _check_side_tensor(old_per_token_logps, "old_per_token_logps", batch_shape, device, [(batch_shape[1],)])
+    _check_side_tensor(vllm_is_ratio, "vllm_is_ratio", batch_shape, device, [(), (1,), (batch_shape[1],)])
+    if vllm_is_ratio is not None and vllm_is_ratio.dim() == 1:
+        vllm_is_ratio = vllm_is_ratio.unsqueeze(-1)
+    return batch_shape, vllm_is_ratio, target_check
+
+
+def _reference(use_ref_model, ref_per_token_logps, ref_input, ref_weight, ref_bias):
+    """``(reference head or Nones, ref_per_token_logps)``: given log-probs win over a head;
+    without ``use_ref_model`` neither is read."""
+    if not use_ref_model:
+        return (None, None, None), None
+    if ref_per_token_logps is not None:
+        return (None, None, None), ref_per_token_logps
+    if ref_input is None or ref_weight is None:
+        raise ValueError("use_ref_model needs ref_per_token_logps or a reference head (ref_input, ref_weight)")
+    return one_dtype_head(ref_input, ref_weight, ref_bias), None
+
+
+def _ppo_group_fn(ppo_loss_fn, present_names, full_mask, loss_kwargs):
+    """The engine's ``group_fn``: ``ppo_loss_fn`` on a chunk's sequences, its side tensors
+    (named ``present_names``) sliced to them; the reference log-probs from the second head's
+    quantities where none were given."""
+    def group_fn(q, q_ref, *side):
+        chunk = dict(zip(present_names, side))
+        ref = chunk.get("ref_per_token_logps")
+        if ref is None and q_ref is not None:
+            ref = q_ref[..., 0]
+        old = chunk.get("old_per_token_logps")
+        loss, metrics = ppo_loss_fn(
+            per_token_logps=q[..., 0], attention_mask=chunk["attention_mask"], advantages=chunk["advantages"].float(),
+            full_attention_mask=full_mask, ref_per_token_logps=None if ref is None else ref.float(),
+            old_per_token_logps=None if old is None else old.float(),
+            vllm_is_ratio=None if chunk.get("vllm_is_ratio") is None else chunk["vllm_is_ratio"].float(),
+            **({"sequence_lengths": chunk["sequence_lengths"]} if "sequence_lengths" in chunk else {}),
+            **loss_kwargs)
+        return loss, tuple(metrics)
+
+    return group_fn
+
+
 class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
     """Base of the fused-head policy-gradient losses; see the module docstring.
 
@@ -150,38 +213,10 @@ class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
         reaches ``ppo_loss_fn`` only if it takes that keyword (or ``**kwargs``). Hidden states and
         head of different dtypes compute in the wider one (:func:`one_dtype_head`).
         """
-        check_temperature(temperature)
-        if _input.dim() != 3:
-            raise ValueError(f"_input must be 3-D (batch, completion_len, hidden), got shape {tuple(_input.shape)}")
-        batch_shape = tuple(_input.shape[:2])
-        for name, t in (("selected_token_ids", selected_token_ids), ("attention_mask", attention_mask)):
-            check_tensor(t, name)
-            if tuple(t.shape) != batch_shape:
-                raise ValueError(f"{name} must have shape {batch_shape}, got {tuple(t.shape)}")
-        if selected_token_ids.dtype.is_floating_point:
-            raise TypeError(f"selected_token_ids must be integer token ids, got {selected_token_ids.dtype}")
-        # Awaited after the chunk loop is queued (no host sync before it); a bad id reads token 0.
-        uncounted = -(2**62)
-        counted_ids = torch.where(attention_mask.bool(), selected_token_ids.long(), uncounted).reshape(-1)
-        target_check = start_target_check(counted_ids, counted_ids.shape[0], weight.shape[0], uncounted,
-                                          "selected_token_ids (counted tokens)")
-        device = _input.device
-        _check_side_tensor(advantages, "advantages", batch_shape, device, [(), (batch_shape[1],)])
-        _check_side_tensor(ref_per_token_logps, "ref_per_token_logps", batch_shape, device, [(batch_shape[1],)])
-        _check_side_tensor(old_per_token_logps, "old_per_token_logps", batch_shape, device, [(batch_shape[1],)])
-        _check_side_tensor(vllm_is_ratio, "vllm_is_ratio", batch_shape, device, [(), (1,), (batch_shape[1],)])
-        if vllm_is_ratio is not None and vllm_is_ratio.dim() == 1:
-            vllm_is_ratio = vllm_is_ratio.unsqueeze(-1)
-
-        head = (None, None, None)
-        if use_ref_model:
-            if ref_per_token_logps is None:
-                if ref_input is None or ref_weight is None:
-                    raise ValueError("use_ref_model needs ref_per_token_logps or a reference head (ref_input, "
-                                     "ref_weight)")
-                head = one_dtype_head(ref_input, ref_weight, ref_bias)
-        else:
-            ref_per_token_logps = None
+        batch_shape, vllm_is_ratio, target_check = _checked_batch(
+            _input, weight, selected_token_ids, attention_mask, advantages, ref_per_token_logps,
+            old_per_token_logps, vllm_is_ratio, temperature)
+        head, ref_per_token_logps = _reference(use_ref_model, ref_per_token_logps, ref_input, ref_weight, ref_bias)
 
         full_mask = attention_mask.float()
         names = ("attention_mask", "advantages", "ref_per_token_logps", "old_per_token_logps", "vllm_is_ratio",
@@ -203,20 +238,7 @@ class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
         if takes_keyword(ppo_loss_fn, "token_normalizer"):
             loss_kwargs["token_normalizer"] = batch_token_normalizer(attention_mask, num_items_in_batch)
 
-        def group_fn(q, q_ref, *side):
-            chunk = dict(zip(present_names, side))
-            ref = chunk.get("ref_per_token_logps")
-            if ref is None and q_ref is not None:
-                ref = q_ref[..., 0]
-            old = chunk.get("old_per_token_logps")
-            loss, metrics = ppo_loss_fn(
-                per_token_logps=q[..., 0], attention_mask=chunk["attention_mask"], advantages=chunk["advantages"].float(),
-                full_attention_mask=full_mask, ref_per_token_logps=None if ref is None else ref.float(),
-                old_per_token_logps=None if old is None else old.float(),
-                vllm_is_ratio=None if chunk.get("vllm_is_ratio") is None else chunk["vllm_is_ratio"].float(),
-                **({"sequence_lengths": chunk["sequence_lengths"]} if "sequence_lengths" in chunk else {}),
-                **loss_kwargs)
-            return loss, tuple(metrics)
+        group_fn = _ppo_group_fn(ppo_loss_fn, present_names, full_mask, loss_kwargs)
 
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                  bias is not None and bool(ctx.needs_input_grad[5]))
@@ -234,7 +256,7 @@ class LigerFusedLinearPPOBase(EagerUnderCompile, torch.autograd.Function):
     forward_chunked = forward
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_output, *grad_metrics):
         """(d_input, d_weight, None, None, None, d_bias) scaled by the loss's upstream gradient, then Nones."""
         grad_x, grad_w, grad_b = scaled_head_grads(ctx, upstream_loss_gradient((grad_output,)))

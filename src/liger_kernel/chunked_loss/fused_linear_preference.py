@@ -42,7 +42,7 @@ from abc import abstractmethod
 
 import torch
 
-from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, strictly_once_differentiable
 from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
     save_head_grads,
@@ -239,7 +239,7 @@ class LigerFusedLinearPreferenceBase(EagerUnderCompile, torch.autograd.Function)
                                        log_sum_sq_probs=wpo_weighting)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, *grad_output):
         grad_input, grad_weight, grad_bias = preference_head_backward(ctx, grad_output)
         return grad_input, grad_weight, None, grad_bias

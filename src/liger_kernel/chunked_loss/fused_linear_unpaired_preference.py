@@ -33,7 +33,7 @@ from liger_kernel.chunked_loss.fused_linear_preference import (
     preference_head_forward,
     reference_head,
 )
-from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, strictly_once_differentiable
 
 
 class LigerFusedLinearUnpairedPreferenceBase(EagerUnderCompile, torch.autograd.Function):
@@ -81,7 +81,7 @@ class LigerFusedLinearUnpairedPreferenceBase(EagerUnderCompile, torch.autograd.F
                                        ref_head, paired=False)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, *grad_output):
         grad_input, grad_weight, grad_bias = preference_head_backward(ctx, grad_output)
         return grad_input, grad_weight, None, None, grad_bias

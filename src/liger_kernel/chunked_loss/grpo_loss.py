@@ -58,6 +58,7 @@ import math
 import torch
 
 from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+from liger_kernel.ops.autograd import InputGradients
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -204,7 +205,8 @@ class LigerFusedLinearGRPOFunction(LigerFusedLinearPPOBase):
 
     @staticmethod
     def backward(ctx, grad_output, *grad_metrics):
-        return LigerFusedLinearPPOBase.backward(ctx, grad_output)[:6] + (None,) * 25
+        grad_input, grad_weight, *_, grad_bias = LigerFusedLinearPPOBase.backward(ctx, grad_output)[:6]
+        return _GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
 
 
 def check_grpo_options(loss_type, importance_sampling_level, max_completion_length, sapo_temperature_pos,
@@ -219,6 +221,9 @@ def check_grpo_options(loss_type, importance_sampling_level, max_completion_leng
         raise ValueError(f"sapo temperatures must be > 0, got {sapo_temperature_pos}, {sapo_temperature_neg}")
     if delta is not None and delta <= 0:
         raise ValueError(f"delta must be > 0 (or None), got {delta}")
+
+
+_GRADS = InputGradients(LigerFusedLinearGRPOFunction.forward)
 
 
 class LigerFusedLinearGRPOLoss(torch.nn.Module):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from liger_kernel.chunked_loss.fused_linear_unpaired_preference import LigerFusedLinearUnpairedPreferenceBase
+from liger_kernel.ops.autograd import InputGradients
 
 
 class LigerFusedLinearKTOFunction(LigerFusedLinearUnpairedPreferenceBase):
@@ -53,8 +54,11 @@ class LigerFusedLinearKTOFunction(LigerFusedLinearUnpairedPreferenceBase):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        grads = LigerFusedLinearUnpairedPreferenceBase.backward(ctx, grad_output)[:5]
-        return *grads, *(None,) * 13
+        grad_input, grad_weight, _, _, grad_bias = LigerFusedLinearUnpairedPreferenceBase.backward(ctx, grad_output)[:5]
+        return _GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
+
+
+_GRADS = InputGradients(LigerFusedLinearKTOFunction.forward)
 
 
 class LigerFusedLinearKTOLoss(torch.nn.Module):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_kernel.chunked_loss.fused_linear_preference import LigerFusedLinearPreferenceBase
+from liger_kernel.ops.autograd import InputGradients
 
 
 class LigerFusedLinearORPOFunction(LigerFusedLinearPreferenceBase):
@@ -43,8 +44,11 @@ class LigerFusedLinearORPOFunction(LigerFusedLinearPreferenceBase):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
-        return *grads, *(None,) * 6
+        grad_input, grad_weight, _, grad_bias = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
+        return _GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
+
+
+_GRADS = InputGradients(LigerFusedLinearORPOFunction.forward)
 
 
 class LigerFusedLinearORPOLoss(torch.nn.Module):

@@ -24,6 +24,7 @@ from liger_kernel.chunked_loss.fused_linear_preference import (
     FusedLinearPreferenceModule,
     LigerFusedLinearPreferenceBase,
 )
+from liger_kernel.ops.autograd import InputGradients
 
 
 def smoothed_logistic_loss(h: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -61,8 +62,11 @@ class LigerFusedLinearSimPOFunction(LigerFusedLinearPreferenceBase):
 
     @staticmethod
     def backward(ctx, *grad_output):
-        grads = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
-        return *grads, *(None,) * 9
+        grad_input, grad_weight, _, grad_bias = LigerFusedLinearPreferenceBase.backward(ctx, grad_output)[:4]
+        return _GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
+
+
+_GRADS = InputGradients(LigerFusedLinearSimPOFunction.forward)
 
 
 class LigerFusedLinearSimPOLoss(FusedLinearPreferenceModule):

@@ -89,7 +89,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
 from liger_kernel.ops.checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.head_chunking import (
@@ -593,9 +593,13 @@ class LigerChunkedHeadFunction(EagerUnderCompile, torch.autograd.Function):
         return loss, metrics
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, *grad_output):
-        return (*scaled_head_grads(ctx, upstream_loss_gradient(grad_output)),) + (None,) * 11
+        grad_x, grad_weight, grad_bias = scaled_head_grads(ctx, upstream_loss_gradient(grad_output))
+        return _HEAD_GRADS(x=grad_x, weight=grad_weight, bias=grad_bias)
+
+
+_HEAD_GRADS = InputGradients(LigerChunkedHeadFunction.forward)
 
 
 def save_head_grads(ctx, grads: HeadGrads) -> None:

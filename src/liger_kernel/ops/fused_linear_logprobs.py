@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from liger_kernel.ops.autograd import EagerUnderCompile, once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, strictly_once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     ChunkedHeadConfig,
@@ -88,8 +88,12 @@ def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = 
     return [r for (r,) in chunk_plan(n_rows, 1, False, True, rows).row_ranges]
 
 
+@torch.compiler.disable
 def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_index, needs=(True, True)):
-    """(N, 2) float32 ``[logp, H]`` of 2-D ``x`` (N, D), chunk by chunk, no graph."""
+    """(N, 2) float32 ``[logp, H]`` of 2-D ``x`` (N, D), chunk by chunk, no graph.
+
+    Never traced (a graph break under ``torch.compile``): the loop switches cuBLAS's reduction
+    precision, global state Dynamo refuses to see change, so the Function runs eagerly."""
     n_rows = x.shape[0]
     out = torch.empty((n_rows, 2), device=x.device, dtype=torch.float32)
     rows = log_prob_entropy_rows(temperature, ignore_index)
@@ -136,7 +140,7 @@ class LigerFusedLinearLogProbsFunction(EagerUnderCompile, torch.autograd.Functio
         return out[:, 0].reshape(lead), out[:, 1].reshape(lead)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
         x2, weight, bias, t1 = ctx.saved_tensors
         grad_out = torch.zeros((x2.shape[0], 2), device=x2.device, dtype=torch.float32)
