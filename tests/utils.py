@@ -101,28 +101,6 @@ def target_onehot_coefficients(target, class_weight, upstream, reduction, ignore
     return safe, coef
 
 
-def recorded_ownership_counts(run, *args) -> list[tuple[int, int, int]]:
-    """The counts the norms' in-place ownership check sees while ``run(*args)`` runs, one
-    (refs, base refs, storage users) per norm backward. Nothing is written in place meanwhile."""
-    import liger_kernel.ops.grad_ownership as ops_utils
-
-    ops_utils._CALIBRATION_COUNTS = []
-    try:
-        run(*args)
-        return list(ops_utils._CALIBRATION_COUNTS)
-    finally:
-        ops_utils._CALIBRATION_COUNTS = None
-
-
-def grad_ownership_report(run) -> str:
-    """The ownership counts while ``run()`` runs and the limits calibrated at import, for the
-    message of a failed in-place assertion."""
-    import liger_kernel.ops.grad_ownership as ops_utils
-
-    return (f"counts (refs, base refs, storage users) {recorded_ownership_counts(run)}; "
-            f"limits {ops_utils._OWNED_GRAD_REFERENCES}; compiling {torch.compiler.is_compiling()}")
-
-
 class ReplayedDropout:
     """An in-place dropout whose mask is drawn once and replayed: the first call runs
     ``F.dropout(y, p, training=True, inplace=True)`` on ``y`` (the op under test's output)

@@ -266,21 +266,20 @@ ENTRY_POINTS = {
 
 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
-def test_overwrites_only_a_temporary(entry):
-    """The memory saving is taken for a temporary (nothing else can read it): the gradient
-    the loss keeps for backward is the logits' own memory. The gradient is right either way."""
-    loss_fn = ENTRY_POINTS[entry]
+def test_overwrites_a_temporary_when_asked(entry):
+    """The memory saving is the caller's to ask for (``in_place=True``: nothing reads the logits
+    afterwards): the gradient the loss keeps for backward is then the logits' own memory. The
+    gradient is right."""
     logits, target, x, pointers, hook, made, temporary = temporary_setup()
-    # Called directly: a wrapper such as ENTRY_POINTS' lambdas holds the tensor too, so the
-    # saving is (rightly) not taken through it.
     with hook:
         if entry == "functional":
-            loss = liger_cross_entropy(temporary(), target, label_smoothing=0.1)
+            loss = liger_cross_entropy(temporary(), target, label_smoothing=0.1, in_place=True)
         elif entry == "module":
-            loss = loss_fn(temporary(), target)
+            loss = LigerCrossEntropyLoss(label_smoothing=0.1, in_place=True)(temporary(), target)
         else:
-            loss = LigerCrossEntropyFunction.apply(temporary(), target, None, -100, 0.0, 0.1)[0]
-    assert made[0] in pointers, "a temporary's logits were not overwritten"
+            loss = LigerCrossEntropyFunction.apply(temporary(), target, None, -100, 0.0, 0.1, "mean", None, False,
+                                                   True)[0]
+    assert made[0] in pointers, "the logits were not overwritten although the caller asked"
     loss.backward()
     ref = logits.double().requires_grad_()
     ref_loss = reference_cross_entropy(ref, target, label_smoothing=0.1)[0]
@@ -289,21 +288,17 @@ def test_overwrites_only_a_temporary(entry):
     assert_grad_close(x.grad, ref.grad, torch.bfloat16)
 
 
-def test_no_overwrite_when_calls_counted_differently_at_import(monkeypatch):
-    """Where the interpreter calls Python functions unlike at import (a frame-evaluation hook
-    added or removed since), the counted references are not comparable with the limits, so
-    even a temporary's logits are left alone (see ops.grad_ownership.python_call_references)."""
-    from liger_kernel.ops import grad_ownership
-
-    monkeypatch.setattr(grad_ownership, "_CALL_REFERENCES_AT_IMPORT", grad_ownership.python_call_references() - 1)
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_never_overwrites_by_default(entry):
+    """Without ``in_place=True`` even a temporary nobody else holds keeps its values: the
+    gradient takes its own buffer (no guessing who holds what)."""
     logits, target, x, pointers, hook, made, temporary = temporary_setup()
     with hook:
-        loss = liger_cross_entropy(temporary(), target, label_smoothing=0.1)
-    assert made[0] not in pointers, "a temporary's logits were overwritten although the counts are not comparable"
+        loss = ENTRY_POINTS[entry](temporary(), target)
+    assert made[0] not in pointers
     loss.backward()
     ref = logits.double().requires_grad_()
-    ref_loss = reference_cross_entropy(ref, target, label_smoothing=0.1)[0]
-    ref_loss.backward()
+    reference_cross_entropy(ref, target, label_smoothing=0.1)[0].backward()
     assert_grad_close(x.grad, ref.grad, torch.bfloat16)
 
 
@@ -340,7 +335,9 @@ def test_logits_someone_else_can_read_are_not_overwritten(keep):
         kept.append((x * 1.0).view(2, 3, 300))
         loss = liger_cross_entropy(kept[0].view(6, 300), target)
     elif keep == "loss_module_forward_hook":
-        loss_fn = LigerCrossEntropyLoss()
+        # Built with in_place=True: the module still leaves the logits alone while a hook of
+        # its own (or a global one) receives them.
+        loss_fn = LigerCrossEntropyLoss(in_place=True)
         loss_fn.register_forward_hook(lambda module, args, out: kept.append(args[0]))
         loss = loss_fn(x * 1.0, target)
     else:
@@ -354,14 +351,6 @@ def test_logits_someone_else_can_read_are_not_overwritten(keep):
     assert_grad_close(x.grad, ref.grad, torch.float32, extra=1e-7)
 
 
-def test_in_place_false_never_overwrites():
-    logits, target, x, pointers, hook, made, temporary = temporary_setup()
-    with hook:
-        loss = liger_cross_entropy(temporary(), target, in_place=False, label_smoothing=0.1)
-    assert made[0] not in pointers
-    assert torch.equal(loss, liger_cross_entropy(x * 1.0, target, label_smoothing=0.1))
-
-
 def test_no_grad_leaves_logits_untouched():
     logits, target = make_inputs(5, 333, torch.float32)
     copy = logits.clone()
@@ -372,13 +361,23 @@ def test_no_grad_leaves_logits_untouched():
 
 
 def test_logits_saved_by_another_op_are_not_overwritten():
-    # exp saves its output for backward: those logits are not overwritten, so its backward runs.
+    # exp saves its output for backward: by default those logits keep their values, so its backward runs.
     x = torch.randn(4, 50, device=DEVICE, requires_grad=True)
     x_ref = x.detach().double().requires_grad_()
     target = torch.randint(0, 50, (4,), device=DEVICE)
     liger_cross_entropy(torch.exp(x), target).backward()
     reference_cross_entropy(torch.exp(x_ref), target)[0].backward()
     assert_grad_close(x.grad, x_ref.grad, torch.float32, extra=1e-7)
+
+
+def test_broken_in_place_promise_fails_loudly():
+    """``in_place=True`` on logits another op saved (exp saves its output) breaks the promise:
+    the overwrite bumps their version, so exp's backward raises instead of using the gradient."""
+    x = torch.randn(4, 50, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, 50, (4,), device=DEVICE)
+    loss = liger_cross_entropy(torch.exp(x), target, in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_second_backward_raises():

@@ -159,25 +159,6 @@ def test_in_place_backward_writes_into_the_temporaries(dtype):
     assert torch.equal(x.grad, da) and torch.equal(y.grad, db)
 
 
-def test_no_in_place_backward_when_calls_counted_differently_at_import(monkeypatch):
-    """Counts taken while the interpreter calls Python functions unlike at import are not
-    comparable with the limits (see ops.grad_ownership.python_call_references): the backward
-    then allocates, with the same gradients."""
-    from liger_kernel.ops import grad_ownership
-
-    monkeypatch.setattr(grad_ownership, "_CALL_REFERENCES_AT_IMPORT", grad_ownership.python_call_references() - 1)
-    shape = (3, 37)
-    x, y, a, b = _temporaries(shape, torch.float32)
-    dh = torch.randn(shape, device=DEVICE)
-    records = record_gradient_memory(a, b)
-    h = LigerSiLUMulFunction.apply(a, b, True)
-    del a, b
-    h.backward(dh)
-    assert wrote_in_place(records) == [False, False]
-    _, da, db = gated_run(LigerSiLUMulFunction.apply, x, y, dh, False)
-    assert torch.equal(x.grad, da) and torch.equal(y.grad, db)
-
-
 def test_in_place_backward_into_fused_halves():
     fused_leaf, _ = fused_halves((2, 5), 37, torch.float32, requires_grad=True)
     a, b = (fused_leaf * 1).chunk(2, dim=-1)
@@ -200,9 +181,9 @@ KEEPERS = {
 
 
 def check_kept_activation_survives(function, exact_fn, keep, fused):
-    """A user who kept the gate (or the fused gate/up output), itself or a detached alias, finds
-    its values unchanged after backward (the backward writes fresh gradients instead), and the
-    gradients are right."""
+    """A user who kept the gate (or the fused gate/up output), itself or a detached alias, and
+    called the Function without ``in_place`` (the default: no promise that nothing else reads
+    them) finds its values unchanged after backward (fresh gradients), and the gradients are right."""
     x = torch.randn(3, 2 * 37 if fused else 37, device=DEVICE, requires_grad=True)
     y = torch.randn(3, 37, device=DEVICE, requires_grad=True)
     dh = torch.randn(3, 37, device=DEVICE)
@@ -216,11 +197,11 @@ def check_kept_activation_survives(function, exact_fn, keep, fused):
         kept = KEEPERS[keep](a)
     before = kept.detach().clone()
     records = record_gradient_memory(a, b)
-    h = function.apply(a, b, True)
+    h = function.apply(a, b)
     del a, b
     h.backward(dh)
     assert torch.equal(kept, before)
-    assert wrote_in_place(records) == [False, False]  # one refusal covers the pair
+    assert wrote_in_place(records) == [False, False]
     ref_x = x.detach().double().requires_grad_(True)
     ref_y = y.detach().double().requires_grad_(True)
     exact_fn(*(ref_x.chunk(2, dim=-1) if fused else (ref_x, ref_y))).backward(dh.double())
@@ -601,19 +582,18 @@ def test_gated_config_heuristic_and_search_space():
 
 
 def _record_in_place_decisions(monkeypatch):
-    """The in-place decisions of the gated backwards, in call order (the wrapper holds no
-    tensor before the check, so it does not change what the check counts)."""
+    """The in-place decisions of the gated backwards, in call order."""
     import liger_kernel.ops.swiglu as swiglu_ops
 
     decisions = []
-    unpack = swiglu_ops.unpack_private_activations
+    unpack = swiglu_ops._unpack_saved
 
     def recording(ctx):
-        saved, private = unpack(ctx)
-        decisions.append(private)
-        return saved, private
+        saved, in_place = unpack(ctx)
+        decisions.append(in_place)
+        return saved, in_place
 
-    monkeypatch.setattr(swiglu_ops, "unpack_private_activations", recording)
+    monkeypatch.setattr(swiglu_ops, "_unpack_saved", recording)
     return decisions
 
 
@@ -631,25 +611,3 @@ def test_in_place_backward_under_activation_checkpointing(monkeypatch, use_reent
     ref = x.detach().double().requires_grad_(True)
     exact_swiglu(*ref.chunk(2, -1)).sum().backward()
     assert_close(x.grad, ref.grad)
-
-
-def test_nothing_is_written_in_place_without_a_calibration(monkeypatch):
-    """Where the counts could not be measured at import (another interpreter, no storage use
-    count), the backward never writes into the activations."""
-    import liger_kernel.ops.grad_ownership as ownership
-
-    monkeypatch.setattr(ownership, "_PRIVATE_SAVED_COUNTS", None)
-    x, y, a, b = _temporaries((3, 37), torch.float32)
-    records = record_gradient_memory(a, b)
-    h = LigerSiLUMulFunction.apply(a, b, True)
-    del a, b
-    h.backward(torch.ones_like(h))
-    assert wrote_in_place(records) == [False, False]
-
-
-def test_calibration_measured_the_activations():
-    """On this torch the counts are measured, so the in-place saving is available."""
-    import liger_kernel.ops.grad_ownership as ownership
-
-    assert ownership._PRIVATE_SAVED_COUNTS is not None
-    assert ownership._calibrate_private_saved_counts() == ownership._PRIVATE_SAVED_COUNTS

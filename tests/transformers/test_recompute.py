@@ -514,3 +514,125 @@ def test_lora_adapters_are_consumers_too():
     results = steps_with_and_without(make_model, random_batch(1024, seed=3))
     assert any("lora_A" in name for name in results[True][1])
     assert_drops_every_saved_norm_output(results)
+
+
+# ---- Norm outputs edited in place between the norm and its consumers ----
+#
+# The recompute must give HF's gradients whatever edits a norm output in place: a forward hook
+# on the norm (activation steering), a global module hook, the consumer itself. Tiny Llama,
+# instance-patched (recompute on, in-place backwards on), against HF's own model with the same
+# hooks; fp32 with the patching tests' tolerance, eager and under torch.compile (aot_eager:
+# AOTAutograd's functionalisation of the edit, no code generation).
+
+STEERING = 1.5
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm")
+
+
+def _edit_norm_outputs(model: torch.nn.Module, edit: str) -> list:
+    """Install ``edit`` on ``model``; returns the handles to remove."""
+    layer = model.model.layers[0]
+    if edit == "norm_hook":
+        return [layer.input_layernorm.register_forward_hook(lambda m, args, out: out.mul_(STEERING))]
+    if edit == "global_hook":
+        # Every module's forward hook, editing every norm's output (including the final norm).
+        return [torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out.mul_(STEERING) if _is_norm(m) else None)]
+    if edit == "consumer_edits_its_input":
+        # The first consumer (q_proj) scales its input in place before using it: k_proj and
+        # v_proj see the edited values too, in HF's model as in ours.
+        return [layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: args[0].mul_(STEERING))]
+    raise ValueError(edit)
+
+
+def _steered_loss_and_grads(patched: bool, edit: str, compiled: bool, batch: dict):
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from tests.transformers.model_configs import build_model, loss_and_grads
+
+    model = build_model("llama", seed=0, use_cache=False)
+    if patched:
+        _apply_liger_kernel_to_instance(model)
+    handles = _edit_norm_outputs(model, edit)
+    try:
+        if compiled:
+            torch._dynamo.reset()
+            model.compile(backend="aot_eager")
+            model.train()
+            model.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            loss.backward()
+            return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                   if p.grad is not None}
+        return loss_and_grads(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("edit", ["norm_hook", "global_hook", "consumer_edits_its_input"])
+def test_norm_output_edited_in_place_gives_hf_gradients(edit, compiled):
+    """The issue's case: a hook that scales a norm's output in place made the recompute rebuild
+    the unscaled output, so q_proj's weight gradient was off by a third. The edit bumps the
+    output's version counter, so the consumers save it as usual: every gradient is HF's."""
+    pytest.importorskip("transformers")
+    from tests.transformers.model_configs import random_batch
+
+    batch = random_batch(1024, seed=3)
+    hf_loss, hf_grads = _steered_loss_and_grads(False, edit, compiled, batch)
+    loss, grads = _steered_loss_and_grads(True, edit, compiled, batch)
+    torch.testing.assert_close(loss, hf_loss, atol=2e-5, rtol=1e-4)
+    assert grads.keys() == hf_grads.keys()
+    for name, grad in hf_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_consumer_editing_its_input_after_using_it_gets_the_values_it_used():
+    """q_proj's forward hook scales its input (the norm output) in place after q_proj used it.
+    HF's model then fails in backward (q_proj's saved input was modified); with the recompute
+    q_proj's copy is the recipe, which gives back the values q_proj used, and k_proj/v_proj,
+    which saved the edited output, keep it as usual: the gradients are those of HF's model in
+    which k_proj and v_proj read the scaled output and q_proj the unscaled one."""
+    pytest.importorskip("transformers")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from tests.transformers.model_configs import build_model, loss_and_grads, random_batch
+
+    def scale_input_after_use(module, args, out):
+        args[0].mul_(STEERING)  # returns None: q_proj's output stays its own
+
+    batch = random_batch(1024, seed=4)
+    reference = build_model("llama", seed=0, use_cache=False)
+    attention = reference.model.layers[0].self_attn
+    for projection in (attention.k_proj, attention.v_proj):
+        projection.register_forward_pre_hook(lambda m, args: (args[0] * STEERING,))
+    hf_loss, hf_grads = loss_and_grads(reference, batch)
+
+    hf = build_model("llama", seed=0, use_cache=False)
+    hf.model.layers[0].self_attn.q_proj.register_forward_hook(scale_input_after_use)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_and_grads(hf, batch)
+
+    model = build_model("llama", seed=0, use_cache=False)
+    _apply_liger_kernel_to_instance(model)
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(scale_input_after_use)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, hf_loss, atol=2e-5, rtol=1e-4)
+    for name, grad in hf_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_tensor_saved_inside_a_consumer_and_edited_raises_as_without_the_recompute():
+    """A saved-tensor hook switches off autograd's check of in-place edits for the tensors it
+    returns; the recompute's hook makes that check itself, so a consumer's saved weight edited
+    in place before backward raises, as it does without the recompute."""
+    block = make_block("rms")
+    x = torch.randn(4, HIDDEN, device=DEVICE)
+    for recompute in (False, True):
+        with recompute_norm_outputs(recompute):
+            out = block(x)
+        with torch.no_grad():
+            block.up.weight.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()

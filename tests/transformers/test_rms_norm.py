@@ -18,7 +18,6 @@ from tests.utils import (
     ReplayedDropout,
     assert_close,
     forward_backward_with_output_edit,
-    grad_ownership_report,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -76,10 +75,10 @@ def test_module_attributes():
     assert norm.variance_epsilon == 1e-5 and norm.eps == 1e-5
     norm.eps = 1e-3
     assert norm.variance_epsilon == 1e-3
-    assert (norm.offset, norm.casting_mode, norm.in_place) == (0.0, "llama", True)
+    assert (norm.offset, norm.casting_mode, norm.in_place) == (0.0, "llama", False)
     assert "casting_mode='llama'" in repr(norm) and "eps=0.001" in repr(norm)
-    gemma = LigerRMSNorm(16, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=False)
-    assert torch.equal(gemma.weight, torch.zeros(16)) and gemma.in_place is False
+    gemma = LigerRMSNorm(16, offset=1.0, casting_mode="gemma", init_fn="zeros", in_place=True)
+    assert torch.equal(gemma.weight, torch.zeros(16)) and gemma.in_place is True
     with pytest.raises(ValueError, match="init_fn"):
         LigerRMSNorm(16, init_fn="normal")
     with pytest.raises(ValueError, match="casting_mode"):
@@ -135,12 +134,10 @@ def test_torch_compile_fullgraph():
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_patched_models_write_norm_gradients_in_place(model_type, monkeypatch):
-    """In a patched model each norm with ``in_place=True`` writes dx over dy - the memory the
-    option exists for. The norms' ownership check (``ops.grad_ownership.backward_writes_into_grad``)
-    must accept the gradients the model's own ops hand over (a projection's, the fused loss's),
-    or training silently allocates one (B, T, H) buffer more per norm. Observed in
-    ``rms_norm_backward``, which is told the decision: a hook on the gradient itself would add a
-    reference to it and so change the decision."""
+    """In a patched model each decoder-layer norm the patch marks ``in_place`` (its output is an
+    intermediate nobody else receives) writes dx over dy - the memory the option exists for -
+    and the final norm, whose output the model hands out, does not. Observed in
+    ``rms_norm_backward``, which is told the decision."""
     import liger_kernel.ops.rms_norm as rms_norm_ops
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -160,9 +157,8 @@ def test_patched_models_write_norm_gradients_in_place(model_type, monkeypatch):
     monkeypatch.setattr(rms_norm_ops, "rms_norm_backward", recording_backward)
     batch = random_batch(VOCAB, seed=0)
     model(**batch).loss.backward()
-    if sorted(decided) != sorted(in_place):
-        report = grad_ownership_report(lambda: model(**batch).loss.backward())
-        pytest.fail(f"written in place: {decided}, asked for: {in_place}; {report}")
+    assert sorted(decided) == sorted(in_place), f"written in place: {decided}, asked for: {in_place}"
+    assert in_place.count(True) == len(in_place) - 1 or not any(in_place)  # all but the final norm
 
 
 @pytest.mark.parametrize("in_place", [True, False])

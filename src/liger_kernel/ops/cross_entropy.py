@@ -38,10 +38,11 @@ The loss's backward only multiplies that stored gradient by the upstream gradien
 scalar, or one value per row for ``"none"``), in place, skipping rows whose factor is
 exactly 1 (decided on the device, without a host sync).
 
-Memory: the gradient is written over the logits where nothing else can reach them (a
-temporary passed straight in; see :func:`~liger_kernel.ops.loss_options.logits_unshared`),
-so the extra memory is O(N); logits the caller still holds (or a hook kept, or an op saved)
-keep their values and the gradient takes one more (N, V) buffer of their dtype.
+Memory: by default the gradient takes one more (N, V) buffer of the logits' dtype and the
+logits keep their values. With ``in_place=True`` (the caller's promise that nothing reads the
+logits afterwards, e.g. a temporary ``lm_head(h).float().view(-1, V)``) it is written over
+the logits, so the extra memory is O(N); the logits' version counter is bumped, so an op that
+saved them for its backward fails loudly instead of reading the gradient.
 
 Differences from ``F.cross_entropy`` (all documented in :class:`LigerCrossEntropyFunction`):
 a ``"mean"`` over a batch whose targets are all ignored is 0 with zero gradients (torch
@@ -69,8 +70,6 @@ from liger_kernel.ops.loss_checks import check_class_weight, start_target_check
 from liger_kernel.ops.loss_options import (
     CrossEntropyOptions,
     CrossEntropyOutput,
-    calibrate_entry,
-    logits_unshared,
 )
 from liger_kernel.ops.loss_reduction import mean_denominators, reduce_rows
 from liger_kernel.ops.numerics import tanh_and_sech2
@@ -531,11 +530,12 @@ def _cross_entropy(ctx, logits, target, weight, options: CrossEntropyOptions, ov
         logits = logits.contiguous()
 
     compute_grad = bool(ctx.needs_input_grad[0])
-    # (meta logits are never overwritten: logits_unshared says no)
     if meta:
         forward = _cross_entropy_forward_fake
+    elif overwrite and not torch.compiler.is_compiling():
+        forward = cross_entropy_forward_in_place
     else:
-        forward = cross_entropy_forward_in_place if overwrite else cross_entropy_forward
+        forward = cross_entropy_forward
     loss, z_loss, accuracy, grad = forward(
         logits, target, weight, *options.kernel_options, options.reduction, compute_grad,
         options.return_token_accuracy,
@@ -562,18 +562,19 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
 
     ``forward(ctx, logits, target, weight=None, ignore_index=-100, lse_square_scale=0.0,
     label_smoothing=0.0, reduction="mean", softcap=None, return_token_accuracy=False,
-    in_place=True)`` returns ``(loss, z_loss, token_accuracy)``, each a scalar
+    in_place=False)`` returns ``(loss, z_loss, token_accuracy)``, each a scalar
     (``"mean"``/``"sum"``) or (N,) (``"none"``); ``loss`` and ``z_loss`` have the logits'
     dtype (as ``F.cross_entropy``'s loss; computed in float32), ``token_accuracy`` is
     float32; only ``loss`` is differentiable. See
     :class:`~liger_kernel.ops.loss_options.CrossEntropyOutput` for their meaning and the
     module docstring for the math. Meta tensors give meta outputs.
 
-    The gradient is computed during the forward pass. With ``in_place=True`` it is written
-    over ``logits`` where nothing else can reach them (a temporary passed straight in), and
-    into a fresh (N, V) buffer otherwise, so the logits keep their values whenever someone
-    can still read them; ``in_place=False`` never overwrites them. Without a gradient to
-    compute (no grad mode, or logits not requiring grad) the logits are left untouched.
+    The gradient is computed during the forward pass, into a fresh (N, V) buffer: the logits
+    keep their values. ``in_place=True`` is the caller's promise that nothing reads the logits
+    afterwards (a temporary passed straight in): then the gradient is written over them
+    (where their rows are disjoint and unit-stride, and not under ``torch.compile``), and an
+    op that saved them fails loudly in its backward. Without a gradient to compute (no grad
+    mode, or logits not requiring grad) the logits are left untouched.
 
     Differs from ``F.cross_entropy``: a ``"mean"`` whose targets are all ``ignore_index``
     is 0 (torch: NaN); class weights receive no gradient. Backward may run only once per
@@ -585,13 +586,11 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                 ignore_index: int = -100, lse_square_scale: float = 0.0, label_smoothing: float = 0.0,
                 reduction: str = "mean", softcap: float | None = None, return_token_accuracy: bool = False,
-                in_place: bool = True):
-        # First, before any other local refers to the logits (see logits_unshared).
-        overwrite = bool(in_place) and logits_unshared(logits, _APPLY_LIMITS)
+                in_place: bool = False):
         options = CrossEntropyOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                       lse_square_scale=lse_square_scale, softcap=softcap, reduction=reduction,
                                       return_token_accuracy=return_token_accuracy)
-        return _cross_entropy(ctx, logits, target, weight, options, overwrite)
+        return _cross_entropy(ctx, logits, target, weight, options, check_in_place(in_place))
 
     @staticmethod
     @strictly_once_differentiable
@@ -601,14 +600,11 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
 
 class CrossEntropyFunctionFromOptions(torch.autograd.Function):
     """:class:`LigerCrossEntropyFunction` for callers holding validated options:
-    ``apply(logits, target, weight, options, in_place, limits, loss_dtype=None)``, where
-    ``limits`` are the reference counts of a temporary passed through the caller's entry point
-    (:func:`~liger_kernel.ops.loss_options.calibrate_entry`)."""
+    ``apply(logits, target, weight, options, in_place, loss_dtype=None)``."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, options, in_place, limits, loss_dtype=None):
-        overwrite = bool(in_place) and logits_unshared(logits, limits)
-        return _cross_entropy(ctx, logits, target, weight, options, overwrite, loss_dtype)
+    def forward(ctx, logits, target, weight, options, in_place, loss_dtype=None):
+        return _cross_entropy(ctx, logits, target, weight, options, check_in_place(in_place), loss_dtype)
 
     @staticmethod
     @strictly_once_differentiable
@@ -631,7 +627,8 @@ _CROSS_ENTROPY_GRADS = InputGradients(LigerCrossEntropyFunction.forward)
 _FROM_OPTIONS_GRADS = InputGradients(CrossEntropyFunctionFromOptions.forward)
 
 
-# Reference counts of a temporary passed straight to LigerCrossEntropyFunction.apply (None
-# while they are measured).
-_APPLY_LIMITS = None
-_APPLY_LIMITS = calibrate_entry(lambda make: LigerCrossEntropyFunction.apply(make(), None))
+def check_in_place(in_place: object) -> bool:
+    """``in_place`` as given: a bool (a truthy tensor or string is a mistake, not a promise)."""
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    return in_place

@@ -36,6 +36,6 @@ class LigerGELUMulFunction(gated_mul_function(GEGLU_OPS)):  # type: ignore[misc]
 
     ``apply(a, b, in_place=False)``: ``a`` (gate) and ``b`` (up) of one shape (..., I) and
     dtype, any unit-last-stride layout; returns ``h`` of that shape and dtype. With
-    ``in_place=True`` the backward may write da/db over a/b when that is provably safe
-    (see :mod:`liger_kernel.ops.swiglu`).
+    ``in_place=True`` (the caller's promise that nothing else reads a and b) the backward
+    writes da/db over a/b where their layout allows (see :mod:`liger_kernel.ops.swiglu`).
     """

@@ -30,14 +30,11 @@ dw and db are reduced deterministically in fp32: each of P persistent programs s
 own rows into row p of a (P, H) buffer, then one more launch sums the P rows of both
 buffers in a fixed order and rounds them to the parameters' dtypes.
 
-``in_place=True`` (the default, as for RMSNorm) lets the backward write dx over dy's
-storage when dy is contiguous with x's dtype, so the backward allocates no N x H buffer
-(only the small (P, H) partials), and only when nothing else can read dy afterwards: a
-gradient passed in by the caller (``y.backward(g)``) or kept by a hook, also as a detached
-alias (``g.detach()``, ``g.data``), is never overwritten. When the norm's output goes
-straight into an op whose backward hands the same gradient tensor to another input too
-(``LayerNorm(x) + r`` with ``r`` requiring grad), that is detected on the torch versions
-tested (2.11, 2.13); on others, use ``in_place=False`` there.
+``in_place=True`` (opt-in, as for RMSNorm; default False) lets the backward write dx over
+dy's storage when dy is contiguous with x's dtype, so the backward allocates no N x H buffer
+(only the small (P, H) partials). It is the caller's promise that nobody else reads dy
+afterwards: not a gradient passed in by the caller (``y.backward(g)``) or kept by a hook, not
+one autograd also hands to another input (``LayerNorm(x) + r`` with ``r`` requiring grad).
 
 The kernels are the row-normalisation kernels shared with RMSNorm
 (``ops.row_norm.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:
@@ -136,14 +133,14 @@ def _layer_norm_backward_fake(grad_output, x, weight, bias, mean, rstd, in_place
 class LigerLayerNormFunction(torch.autograd.Function):
     """``y = LayerNorm(X) * W + B`` over the last dim, as ``F.layer_norm``.
 
-    ``apply(X, W, B, eps, in_place=True)`` with X (..., H), W (H,), B (H,) or None; returns
+    ``apply(X, W, B, eps, in_place=False)`` with X (..., H), W (H,), B (H,) or None; returns
     y with X's shape and dtype. Gradients flow to X, W and B. ``in_place``: see the module
     docstring (dx written over dy's storage).
     """
 
     @staticmethod
     def forward(ctx, X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None,
-                eps: float = 1e-6, in_place: bool = True) -> torch.Tensor:
+                eps: float = 1e-6, in_place: bool = False) -> torch.Tensor:
         check_layer_norm_args(X, W, B, eps)
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")

@@ -1,7 +1,6 @@
-"""The options the cross-entropy losses (plain and fused with the LM head) share, and whether
-the logits may be overwritten by their gradient. Their target and class-weight checks are
-:mod:`liger_kernel.ops.loss_checks`, the mean's denominators and the reduction
-:mod:`liger_kernel.ops.loss_reduction`.
+"""The options the cross-entropy losses (plain and fused with the LM head) share. Their target
+and class-weight checks are :mod:`liger_kernel.ops.loss_checks`, the mean's denominators and the
+reduction :mod:`liger_kernel.ops.loss_reduction`.
 
 The options are one frozen value, :class:`CrossEntropyOptions`, validated when it is built;
 the modules keep one, the functions build one per call, and the autograd Functions receive
@@ -15,13 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import sys
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-
-from liger_kernel.ops.grad_ownership import counts_comparable_with_import
 
 # Imported from here by fused_linear_cross_entropy.py until it imports them from their modules.
 from liger_kernel.ops.launch import is_meta  # noqa: F401
@@ -130,86 +125,3 @@ class CrossEntropyOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CrossEntropyOptions))
-
-
-# ======================================================================================
-# Whether the logits may be overwritten by their gradient.
-#
-# The cross entropy's gradient has the logits' shape; writing it over the logits saves an
-# (N, V) buffer, but destroys values a caller may read again (a second loss, metrics, a
-# hook that kept them). Only logits that nothing but the call itself can reach are
-# overwritten: a temporary such as ``model(x).float().view(-1, V)`` or
-# ``lm_head(h).view(-1, V)``. Like the norms' gradient check (grad_ownership.py), this is
-# told by the Python references to the tensor and to the tensor it is a view of, and by the
-# tensors sharing its storage (a ``.detach()`` alias, or the copy of an output that an op
-# saved for backward); each compared with the counts of a temporary passed through the same
-# entry point, measured at import. Where the counts cannot be taken (not CPython, a
-# free-threaded build, no storage use count), nothing is overwritten.
-# ======================================================================================
-
-
-@dataclasses.dataclass(frozen=True)
-class ReferenceLimits:
-    """Counts of a temporary passed through one entry point: ``(references, references of
-    its base, storage users)``, plain and as a view."""
-
-    plain: tuple[int, int, int]
-    view: tuple[int, int, int]
-
-
-class _Probed(Exception):
-    """Raised by :func:`logits_unshared` while calibrating, after recording the counts."""
-
-
-_CALIBRATION_COUNTS: list[tuple[int, int, int]] | None = None
-
-
-def _storage_users(tensor: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-
-
-def logits_unshared(logits: torch.Tensor, limits: ReferenceLimits | None) -> bool:
-    """Whether nothing but the current call can see ``logits``' memory (see the section
-    comment). Call it first thing in the entry's innermost frame, before any other local
-    refers to ``logits``. Never under ``torch.compile`` nor for meta tensors."""
-    if limits is None and _CALIBRATION_COUNTS is None:
-        return False
-    if torch.compiler.is_compiling() or logits.device.type == "meta":
-        return False
-    base = logits._base
-    counts = (sys.getrefcount(logits), 0 if base is None else sys.getrefcount(base), _storage_users(logits))
-    if _CALIBRATION_COUNTS is not None:
-        _CALIBRATION_COUNTS.append(counts)
-        raise _Probed
-    allowed = limits.plain if base is None else limits.view
-    return counts_comparable_with_import() and all(count <= limit for count, limit in zip(counts, allowed))
-
-
-def calibrate_entry(call: Callable[[Callable[[], torch.Tensor]], object]) -> ReferenceLimits | None:
-    """The counts :func:`logits_unshared` sees for a temporary passed to an entry point.
-
-    ``call(make)`` must call the entry with ``make()`` written in the argument list, as a
-    user passes a temporary (``lambda make: entry(make(), target)``; binding it to a name
-    first, or passing it through ``*args``, would add a reference and make the limits too
-    lax). ``make`` gives a fresh (2, 3) tensor and then a (2, 3) view of a fresh (6,)
-    tensor, both requiring grad. None where the counts cannot be measured."""
-    global _CALIBRATION_COUNTS
-    if sys.implementation.name != "cpython" or not getattr(sys, "_is_gil_enabled", lambda: True)():
-        return None
-    leaf = torch.ones(6, requires_grad=True)
-    _CALIBRATION_COUNTS = []
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            for make in (lambda: (leaf[:6] * 1.0).view(2, 3) * 1.0, lambda: (leaf * 1.0).view(2, 3)):
-                try:
-                    call(make)
-                except _Probed:
-                    pass
-        (plain, view) = _CALIBRATION_COUNTS
-    except Exception:  # any surprise (no storage use count in this torch): never overwrite
-        return None
-    finally:
-        _CALIBRATION_COUNTS = None
-    if plain[1] != 0 or view[1] == 0:
-        return None
-    return ReferenceLimits(plain, view)

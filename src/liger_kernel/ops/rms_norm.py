@@ -34,14 +34,13 @@ is what autograd of the HF module does through its ``.to(input_dtype)``. dw is r
 deterministically in fp32: each of P persistent programs sums its own rows into row p of
 a (P, H) fp32 buffer, which is then summed in a fixed order.
 
-``in_place=True`` lets the backward write dx over dy's storage (no new N x H buffer)
-when that is safe for the kernel: dy contiguous and of x's dtype (otherwise a fresh dx is
-allocated), and only when nothing else can read dy afterwards (see
-``ops.grad_ownership.backward_writes_into_grad``): a gradient the caller passes in (``y.backward(g)``)
-or a hook keeps, also as a detached alias (``g.detach()``, ``g.data``), is never
-overwritten. A gradient tensor that another backward node also receives (the output added
-straight to a residual stream) is detected on the torch versions tested (2.11, 2.13); on
-others, use ``in_place=False`` there.
+``in_place=True`` (opt-in; default False) lets the backward write dx over dy's storage (no
+new N x H buffer). It is the caller's promise that nobody else reads dy afterwards (see
+``ops.grad_ownership.backward_writes_into_grad``): not a gradient the caller passes in
+(``y.backward(g)``), not one a hook keeps, not one autograd also hands to another branch
+(the output added straight to a residual stream). The patched models make that promise for
+the norms inside decoder layers; the kernel still allocates dx where dy is not contiguous
+or not of x's dtype.
 
 Rows of all zeros give y = 0 and rstd = 1/sqrt(eps) (finite for eps > 0); empty inputs
 give empty outputs and a zero dw.
@@ -170,13 +169,14 @@ def _rms_norm_backward_fake(grad_output, x, weight, rstd, offset, casting_mode, 
 class LigerRMSNormFunction(torch.autograd.Function):
     """``y = RMSNorm(X) * (W + offset)`` over the last dim; see the module docstring.
 
-    ``apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=True)`` with X (..., H)
-    and W (H,); returns y with X's shape. Gradients flow to X and W.
+    ``apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=False)`` with X (..., H)
+    and W (H,); returns y with X's shape. Gradients flow to X and W. ``in_place=True``: the
+    backward may write dx over the incoming gradient (the module docstring says when).
     """
 
     @staticmethod
     def forward(ctx, X: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
-                casting_mode: str = "llama", in_place: bool = True) -> torch.Tensor:
+                casting_mode: str = "llama", in_place: bool = False) -> torch.Tensor:
         check_rms_norm_args(X, W, eps, offset, casting_mode, in_place)
         y, rstd = rms_norm_forward(X, W, float(eps), float(offset), casting_mode)
         ctx.save_for_backward(X, W, rstd)

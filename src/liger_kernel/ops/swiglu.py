@@ -38,19 +38,17 @@ For fp32 inputs both are fp32 throughout.
 
 In-place backward (``in_place=True``, opt-in): ``da`` is written over ``a``'s storage and
 ``db`` over ``b``'s, so the backward allocates nothing. That is only correct when nothing
-else will read ``a`` or ``b`` again - true in a gated MLP, where both are temporaries
-(outputs of the gate/up projections, which do not save their outputs). The Function
-falls back to fresh outputs when it cannot prove the write safe: ``a`` or ``b`` is a leaf
-(a user tensor) or a view of one (e.g. the halves ``x[:, :I]``, ``x[:, I:]`` of a user's
-``x``), the two may overlap in memory (e.g. ``a is b``), a tensor overlaps itself
-(an expanded view), the backward is being traced by ``torch.compile`` (whose
-functionalisation would copy anyway), or - decided in the backward - anything but the
-graph still refers to their memory: a forward hook on ``gate_proj``/``up_proj`` that kept
-the activation, ``.detach()`` or ``.data`` of it, or the fused projection it is a half of
-(:func:`liger_kernel.ops.grad_ownership.unpack_private_activations`). Such a refusal
-costs two fresh (N, I) gradients while the backward runs. After writing, the version
-counters of ``a`` and ``b`` are bumped, so a second backward through the same graph
-(``retain_graph=True``) fails loudly in autograd instead of reading the overwritten values.
+else will read ``a`` or ``b`` again, which only the caller can know: ``in_place=True`` is its
+promise, made by the gated MLP modules for the two projection outputs they create themselves
+and hand to nobody (``liger_kernel.transformers.swiglu``; see ``docs/api.md``, "Memory
+ownership"). The Function still falls back to fresh outputs where the layout makes the write
+wrong: ``a`` or ``b`` is a leaf (a user tensor) or a view of one (e.g. the halves
+``x[:, :I]``, ``x[:, I:]`` of a user's ``x``), the two may overlap in memory (e.g. ``a is b``),
+a tensor overlaps itself (an expanded view), or the backward is being traced by
+``torch.compile`` (whose functionalisation would copy anyway). A fallback costs two fresh
+(N, I) gradients while the backward runs. After writing, the version counters of ``a`` and
+``b`` are bumped, so a second backward through the same graph (``retain_graph=True``), or any
+op that saved them, fails loudly in autograd instead of reading the overwritten values.
 
 Outputs and gradients are ordinary tensors (not views of internal buffers), so they may be
 edited in place (``h.mul_(2)``, ``F.dropout(h, inplace=True)``) as any torch result.
@@ -72,7 +70,6 @@ from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiab
 from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.checks import as_rows, check_float_dtype, check_same_device, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
-from liger_kernel.ops.grad_ownership import unpack_private_activations
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
     cdiv,
@@ -430,12 +427,8 @@ def gated_function_forward(ctx, ops: SimpleNamespace, a: torch.Tensor, b: torch.
 
 def _unpack_saved(ctx) -> Tuple[Tuple[torch.Tensor, ...], bool]:
     """``(ctx.saved_tensors, in_place)``: whether the backward writes da/db over the saved
-    ``a``/``b``: asked for, safe in layout (checked in the forward) and, now, nobody else
-    holding their memory (a hook that kept the gate or up activation, also as
-    ``.detach()``/``.data``)."""
-    if ctx.in_place and not torch.compiler.is_compiling():
-        return unpack_private_activations(ctx)
-    return ctx.saved_tensors, False
+    ``a``/``b`` (asked for and safe in layout, decided in the forward)."""
+    return ctx.saved_tensors, ctx.in_place and not torch.compiler.is_compiling()
 
 
 def _mark_overwritten(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

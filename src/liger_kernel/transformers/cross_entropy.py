@@ -1,8 +1,8 @@
 """Cross entropy loss module and functional form, drop-in for ``nn.CrossEntropyLoss``.
 
 See :mod:`liger_kernel.ops.cross_entropy` for the math and memory behaviour: the gradient
-is computed in the forward pass and written over the input logits only where nothing else
-can read them; logits the caller still holds keep their values.
+is computed in the forward pass, into a fresh buffer unless the caller asks for it to be
+written over the logits (``in_place=True``, a promise that nothing reads them afterwards).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from liger_kernel.ops.loss_options import (
     OPTION_NAMES,
     CrossEntropyOptions,
     CrossEntropyOutput,
-    calibrate_entry,
 )
+from liger_kernel.transformers.ownership import hooks_may_see
 
 __all__ = ["CrossEntropyLossBase", "CrossEntropyOptions", "CrossEntropyOutput", "LigerCrossEntropyLoss",
            "liger_cross_entropy"]
 
 
-def _cross_entropy(input, target, weight, options: CrossEntropyOptions, in_place: bool, limits, loss_dtype=None):
-    loss, z_loss, accuracy = CrossEntropyFunctionFromOptions.apply(input, target, weight, options, in_place, limits,
+def _cross_entropy(input, target, weight, options: CrossEntropyOptions, in_place: bool, loss_dtype=None):
+    loss, z_loss, accuracy = CrossEntropyFunctionFromOptions.apply(input, target, weight, options, in_place,
                                                                    loss_dtype)
     return options.outputs(loss, z_loss, accuracy)
 
@@ -42,7 +42,7 @@ def liger_cross_entropy(
     softcap: float | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
-    in_place: bool = True,
+    in_place: bool = False,
     loss_dtype: torch.dtype | None = None,
 ) -> Union[torch.Tensor, CrossEntropyOutput]:
     """Cross entropy of logits ``input`` (N, V) against class indices ``target`` (N,).
@@ -57,10 +57,10 @@ def liger_cross_entropy(
     * ``return_z_loss`` / ``return_token_accuracy``: return a
       :class:`CrossEntropyOutput` ``(loss, z_loss, token_accuracy)`` instead of the loss
       alone (unrequested fields are ``None``);
-    * ``in_place`` (default True): the gradient is computed now and written over ``input``
-      when nothing else can read it (a temporary such as ``lm_head(h).view(-1, V)``);
-      logits the caller holds, or a hook kept, get a fresh gradient buffer instead. False:
-      never overwrite;
+    * ``in_place`` (default False): True writes the gradient, computed now, over ``input``
+      instead of a fresh (N, V) buffer. It is the caller's promise that nothing reads
+      ``input`` afterwards (a temporary such as ``lm_head(h).float().view(-1, V)``): logits
+      the caller keeps, returns or a hook saw must not be passed with it;
     * ``loss_dtype``: the dtype of the loss and z-loss; None (default) gives ``input``'s
       dtype, as torch's (computed in float32 either way). ``torch.float32`` gives what HF's
       causal-LM loss returns, which upcasts the logits first.
@@ -73,21 +73,7 @@ def liger_cross_entropy(
     options = CrossEntropyOptions(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                   lse_square_scale=lse_square_scale, softcap=softcap, reduction=reduction,
                                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
-    return _cross_entropy(input, target, weight, options, in_place, _FUNCTIONAL_LIMITS, loss_dtype)
-
-
-def _hooks_see_inputs(module: nn.Module) -> bool:
-    """Whether hooks of ``module`` (its own or global) may read its inputs after its forward:
-    a forward hook receives them once the forward returns, when no reference count can tell
-    it will; backward hooks wrap them. Unknown (torch keeps its global hooks elsewhere): yes."""
-    from torch.nn.modules import module as module_impl
-
-    global_hooks = [getattr(module_impl, name, None) for name in
-                    ("_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")]
-    if any(hooks is None for hooks in global_hooks):
-        return True
-    own_hooks = (module._forward_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return any(bool(hooks) for hooks in (*own_hooks, *global_hooks))
+    return _cross_entropy(input, target, weight, options, in_place, loss_dtype)
 
 
 def _option_property(name: str) -> property:
@@ -125,28 +111,21 @@ class LigerCrossEntropyLoss(CrossEntropyLossBase):
     """``nn.CrossEntropyLoss`` with the extras of :func:`liger_cross_entropy`.
 
     ``forward(input (N, V), target (N,))``; ``input`` is overwritten by its gradient only
-    where nothing else can read it (``in_place=True``, the default; see
-    :func:`liger_cross_entropy`).
+    when the module was built with ``in_place=True`` (see :func:`liger_cross_entropy`) and no
+    hook of the module (its own or a global one) may read its inputs.
     """
 
     def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
                  label_smoothing: float = 0.0, reduction: str = "mean", softcap: float | None = None,
-                 return_z_loss: bool = False, return_token_accuracy: bool = False, in_place: bool = True) -> None:
+                 return_z_loss: bool = False, return_token_accuracy: bool = False, in_place: bool = False) -> None:
         super().__init__(weight, ignore_index=ignore_index, lse_square_scale=lse_square_scale,
                          label_smoothing=label_smoothing, reduction=reduction, softcap=softcap,
                          return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
         self.in_place = in_place
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Union[torch.Tensor, CrossEntropyOutput]:
-        in_place = self.in_place and not _hooks_see_inputs(self)
-        return _cross_entropy(input, target, self.weight, self.options, in_place, _MODULE_LIMITS)
+        in_place = self.in_place and not hooks_may_see(self)
+        return _cross_entropy(input, target, self.weight, self.options, in_place)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, in_place={self.in_place}"
-
-
-# Reference counts of a temporary passed straight to each entry point (None while measured).
-_FUNCTIONAL_LIMITS = _MODULE_LIMITS = None
-_FUNCTIONAL_LIMITS = calibrate_entry(lambda make: liger_cross_entropy(make(), None))
-_PROBE_MODULE = LigerCrossEntropyLoss()
-_MODULE_LIMITS = calibrate_entry(lambda make: _PROBE_MODULE(make(), None))

@@ -22,14 +22,15 @@ from torch import nn
 from liger_kernel.ops.geglu import LigerGELUMulFunction
 from liger_kernel.ops.swiglu import GELU_TANH
 from liger_kernel.transformers.families import GELU_TANH_ACTIVATIONS
-from liger_kernel.transformers.swiglu import gated_down_projection, set_mlp_sizes
+from liger_kernel.transformers.swiglu import gated_down_projection, gated_in_place, set_mlp_sizes
 
 
 def liger_geglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``gelu_tanh(a) * b`` for ``a``, ``b`` of one shape (..., I) and dtype.
 
-    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients where
-    nothing else holds them (checked at backward time; see :mod:`liger_kernel.ops.swiglu`).
+    ``in_place=True`` (the caller's promise that nothing else reads them afterwards) lets the
+    backward overwrite ``a`` and ``b`` with their gradients where their layout allows (see
+    :mod:`liger_kernel.ops.swiglu`).
     """
     return LigerGELUMulFunction.apply(a, b, in_place)
 
@@ -47,7 +48,8 @@ class LigerGEGLUMLP(nn.Module):
     Args:
         config: any config with ``hidden_size``, ``intermediate_size`` and a tanh-GELU
             activation (see the module docstring); other activations raise ``ValueError``.
-        in_place: let the backward write the gate/up gradients over the gate/up activations.
+        in_place: let the backward write the gate/up gradients over the gate/up activations
+            (at calls where no hook can see them, :func:`~liger_kernel.transformers.swiglu.gated_in_place`).
 
     Attributes match ``GemmaMLP``: ``config``, ``hidden_size``, ``intermediate_size`` and the
     bias-free ``gate_proj``, ``up_proj``, ``down_proj``.
@@ -74,4 +76,4 @@ class LigerGEGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Attributes are read off ``self`` only, so this forward can be bound onto an HF MLP.
         return gated_down_projection(self.down_proj, self.gate_proj(x), self.up_proj(x), GELU_TANH,
-                                     getattr(self, "in_place", True))
+                                     gated_in_place(self))

@@ -13,15 +13,15 @@ from torch import nn
 
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction, layer_norm_forward
 from liger_kernel.transformers.recompute import recomputing, register_recomputable
-from liger_kernel.transformers.rms_norm import norm_eps, variance_epsilon_alias
+from liger_kernel.transformers.rms_norm import norm_eps, norm_in_place, variance_epsilon_alias
 
 
 def liger_layer_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None, eps: float = 1e-6,
-                     in_place: bool = True) -> torch.Tensor:
+                     in_place: bool = False) -> torch.Tensor:
     """LayerNorm of ``X`` (..., H) over its last dim: ``(x - mean) / sqrt(var + eps) * W + B``.
 
-    ``in_place``: the backward writes dX over the incoming gradient's storage (see
-    :mod:`liger_kernel.ops.layer_norm`); pass False if that gradient is needed elsewhere.
+    ``in_place=True``: the backward writes dX over the incoming gradient's storage, the
+    caller's promise that nothing else reads that gradient (see :mod:`liger_kernel.ops.layer_norm`).
     """
     return LigerLayerNormFunction.apply(X, W, B, eps, in_place)
 
@@ -41,14 +41,16 @@ class LigerLayerNorm(nn.Module):
         hidden_size: size H of the last dimension.
         eps: added to the variance; stored as ``variance_epsilon`` (alias ``eps``).
         bias: whether to learn a bias (``self.bias`` is None otherwise).
-        in_place: the backward writes dX over the incoming gradient (no N x H buffer);
-            False keeps that gradient intact (see :mod:`liger_kernel.ops.layer_norm`).
+        in_place: the backward writes dX over the incoming gradient (no N x H buffer): a
+            promise that nothing else reads that gradient (see :mod:`liger_kernel.ops.layer_norm`);
+            kept only at calls where no hook of the module, nor a global module hook, is
+            registered. Default False: the gradient stays intact.
 
     ``forward`` reads ``weight``, ``bias`` (default None) and the eps (``variance_epsilon``
     or ``eps``), so it can also be bound onto ``nn.LayerNorm`` instances with affine weights.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, bias: bool = True, *, in_place: bool = True,
+    def __init__(self, hidden_size: int, eps: float = 1e-6, bias: bool = True, *, in_place: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_place = in_place
@@ -62,7 +64,7 @@ class LigerLayerNorm(nn.Module):
     eps = variance_epsilon_alias()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        args = (hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self), getattr(self, "in_place", True))
+        args = (hidden_states, self.weight, getattr(self, "bias", None), norm_eps(self), norm_in_place(self))
         y = LigerLayerNormFunction.apply(*args)
         if recomputing():
             inputs = tuple(t for t in args[:3] if t is not None)

@@ -30,9 +30,18 @@ Not used (tensors saved as usual) while ``torch.compile`` traces, while grad is 
 where saved-tensor hooks are disabled, inside regions with their own hooks (activation
 checkpointing already recomputes everything there), or for DeepSpeed ZeRO-3 parameters
 (gathered per module only when the backward reaches the norm, after the recompute). FSDP2
-unshards a whole decoder layer before any of its backward, so it is safe there. If the
-norm's input was modified in place after the forward, the recompute raises, as autograd
-would for a saved tensor. Under ``create_graph=True`` the recompute runs through the
+unshards a whole decoder layer before any of its backward, so it is safe there.
+
+The recompute gives the values the norm returned; a consumer's copy is replaced only where it
+still holds them. Each registered output's version counter (shared by its views, bumped by
+every in-place op) is recorded when the norm returns it and compared when a consumer saves it:
+an output edited in place in between (a forward hook on the norm, a global module hook, the
+consumer or its pre-hook) is saved as usual by that consumer, as HF's norm output would be, so
+its gradient is HF's. Consumers that saved it before the edit keep the recipe: they computed
+with the unedited values, which the recompute gives back. Every other tensor saved inside a
+consumer keeps autograd's own check (a saved-tensor hook switches it off, so the unpack makes
+it): edited in place before backward, it raises. If the norm's input was modified in place
+after the forward, the recompute raises, as autograd would for a saved tensor. Under ``create_graph=True`` the recompute runs through the
 autograd Function, so the recomputed output keeps its graph: second-order terms that reach
 the norm only through its output (e.g. of a projection's weight gradient) still flow to the
 norm's input and weight. Differentiating the norm's own backward (its input and weight
@@ -109,13 +118,37 @@ def _address_key(t: torch.Tensor) -> int | None:
     return t.data_ptr()
 
 
+class _Saved:
+    """A tensor saved as usual inside a consumer, with its version when saved: autograd checks
+    that for the tensors it keeps itself, but not for those a saved-tensor hook returns, so the
+    unpack does it (a tensor edited in place between forward and backward raises, as without
+    the hooks)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a tensor of shape {list(self.tensor.shape)} saved by a module whose input is a "
+                f"Liger norm output is at version {self.tensor._version}; expected version {self.version} "
+                "instead (the same check autograd makes)"
+            )
+        return self.tensor
+
+
 class _Session:
-    """One active context: its registry (output address -> (weak output, recipe)) and its hooks."""
+    """One active context: its registry (output address -> (weak output, recipe, the output's
+    version when the norm returned it)) and its hooks."""
 
     __slots__ = ("outputs", "thread", "outer", "pack", "unpack")
 
     def __init__(self) -> None:
-        self.outputs: dict[int, tuple[weakref.ref, _Recipe]] = {}
+        self.outputs: dict[int, tuple[weakref.ref, _Recipe, int]] = {}
         self.thread = threading.get_ident()
         # The hooks active when the context was entered: ours chain to them, and a consumer
         # whose forward finds other hooks on top (activation checkpointing) leaves saving to those.
@@ -126,17 +159,26 @@ class _Session:
         def pack(t: torch.Tensor):
             entry = outputs.get(_address_key(t)) if outputs else None
             if entry is not None:
-                y = entry[0]()
+                y, recipe, version = entry[0](), entry[1], entry[2]
                 # A live y owns this memory, so a tensor starting at its address with its dtype
-                # and device is a view of it (of at most its size: the same storage).
+                # and device is a view of it (of at most its size: the same storage). Views
+                # share y's version counter: an unchanged version proves that nothing (a hook
+                # on the norm, a global hook, the consumer itself) edited y in place since the
+                # norm returned it, so the recompute gives the values the consumer used. An
+                # edited y is saved as usual, as HF's own norm output would be.
                 if (y is not None and t.dtype == y.dtype and t.device == y.device
-                        and t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()):
-                    return _SavedView(entry[1], t)
-            return outer_pack(t) if outer_pack is not None else t
+                        and t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+                        and t._version == version):
+                    return _SavedView(recipe, t)
+            if outer_pack is not None:
+                return outer_pack(t)
+            return _Saved(t)
 
         def unpack(packed):
             if isinstance(packed, _SavedView):
                 return packed.tensor()
+            if isinstance(packed, _Saved):
+                return packed.unpack()
             return outer_unpack(packed) if outer_unpack is not None else packed
 
         self.pack = pack
@@ -159,7 +201,10 @@ def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
     """Let an active :func:`recompute_norm_outputs` context save ``y`` as ``compute()``.
 
     ``compute`` must return a tensor equal to ``y`` bitwise, with ``y``'s layout, from
-    ``inputs`` (which the caller's autograd node keeps alive anyway). No-op outside a context.
+    ``inputs`` (which the caller's autograd node keeps alive anyway). Call it as soon as ``y``
+    exists: its version now is the one a consumer's saved view must still have to be replaced
+    (a later in-place edit, by a hook or a consumer, keeps that consumer's copy saved as usual).
+    No-op outside a context.
     """
     if not _ACTIVE or not torch.is_grad_enabled():
         return
@@ -173,7 +218,7 @@ def register_recomputable(y: torch.Tensor, compute: Callable[[], torch.Tensor],
     key = _address_key(y)
     if key is None or not y.is_contiguous():
         return
-    session.outputs[key] = (weakref.ref(y), _Recipe(compute, inputs))
+    session.outputs[key] = (weakref.ref(y), _Recipe(compute, inputs), y._version)
 
 
 def autocast_recasts(device_type: str, dtype: torch.dtype) -> bool:
@@ -239,6 +284,10 @@ def _consumer_post_hook(module: torch.nn.Module, args: tuple, output: object) ->
             del _PUSHED[i]
             torch._C._autograd._pop_saved_tensors_default_hooks()
             return
+
+
+# The module hooks this module installs: they never read or keep what they see.
+RECOMPUTE_HOOKS = (_consumer_pre_hook, _consumer_post_hook)
 
 
 def has_only_recompute_hooks(module: torch.nn.Module) -> bool:

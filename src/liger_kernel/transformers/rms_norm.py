@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
+from liger_kernel.transformers.ownership import hooks_may_see
 from liger_kernel.transformers.recompute import recomputing, register_recomputable
 
 
@@ -25,6 +26,14 @@ def norm_eps(module: nn.Module) -> float:
     if eps is None:
         raise AttributeError(f"{type(module).__name__} has neither a 'variance_epsilon' nor an 'eps' attribute")
     return eps
+
+
+def norm_in_place(module: nn.Module) -> bool:
+    """Whether a norm module's backward may write dx over its output's gradient at this call:
+    its ``in_place`` promise (default False), kept only while no hook can see the output or its
+    gradient (a forward hook that keeps the output, or registers a tensor hook on it, a backward
+    hook on the module; :func:`~liger_kernel.transformers.ownership.hooks_may_see`)."""
+    return getattr(module, "in_place", False) and not hooks_may_see(module)
 
 
 def variance_epsilon_alias() -> property:
@@ -41,10 +50,11 @@ def variance_epsilon_alias() -> property:
 
 
 def liger_rms_norm(X: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
-                   casting_mode: str = "llama", in_place: bool = True) -> torch.Tensor:
+                   casting_mode: str = "llama", in_place: bool = False) -> torch.Tensor:
     """RMSNorm of ``X`` (..., H) over its last dim, times ``W + offset`` (W of shape (H,)).
 
-    See :mod:`liger_kernel.ops.rms_norm` for the casting modes and ``in_place``.
+    See :mod:`liger_kernel.ops.rms_norm` for the casting modes and ``in_place`` (the caller's
+    promise that nothing else reads the output's gradient).
     """
     return LigerRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place)
 
@@ -66,8 +76,10 @@ class LigerRMSNorm(nn.Module):
         offset: added to the weight (1.0 for Gemma, whose weights are stored as w - 1).
         casting_mode: ``"llama"``, ``"gemma"`` or ``"none"`` (see the ops module).
         init_fn: ``"ones"`` or ``"zeros"``, the initial weight.
-        in_place: let backward overwrite the output gradient with the input gradient
-            (saves one N x H buffer; set False if that gradient is shared with another branch).
+        in_place: let backward overwrite the output gradient with the input gradient (saves
+            one N x H buffer): a promise that nothing else reads that gradient (no residual add
+            directly on the output, no caller's ``y.backward(g)``); kept only at calls where no
+            hook of the module, nor a global module hook, is registered. Default False.
 
     ``forward`` reads ``weight``, the eps (``variance_epsilon`` or ``eps``) and, with
     defaults, ``offset``/``casting_mode``/``in_place`` from the instance, so it can also be
@@ -75,7 +87,7 @@ class LigerRMSNorm(nn.Module):
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
-                 init_fn: str = "ones", in_place: bool = True, *, device: torch.device | str | None = None,
+                 init_fn: str = "ones", in_place: bool = False, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if init_fn not in ("ones", "zeros"):
@@ -93,7 +105,7 @@ class LigerRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         args = (hidden_states, self.weight, norm_eps(self), getattr(self, "offset", 0.0),
-                getattr(self, "casting_mode", "llama"), getattr(self, "in_place", True))
+                getattr(self, "casting_mode", "llama"), norm_in_place(self))
         y = LigerRMSNormFunction.apply(*args)
         if recomputing():
             register_recomputable(y, functools.partial(_recompute_rms_norm, *args), (hidden_states, self.weight))
@@ -101,7 +113,7 @@ class LigerRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{tuple(self.weight.shape)}, eps={norm_eps(self)}, offset={getattr(self, 'offset', 0.0)}, "
-                f"casting_mode={getattr(self, 'casting_mode', 'llama')!r}, in_place={getattr(self, 'in_place', True)}")
+                f"casting_mode={getattr(self, 'casting_mode', 'llama')!r}, in_place={getattr(self, 'in_place', False)}")
 
 
 class LigerRMSNormForGemma2(LigerRMSNorm):
@@ -139,7 +151,7 @@ class LigerRMSNormForGemma4(LigerRMSNorm):
         # offset 0 and a unit weight: the fp32 product by 1 is exact, so this is the plain norm.
         unit = torch.ones(hidden_states.shape[-1], device=hidden_states.device, dtype=torch.float32)
         return LigerRMSNormFunction.apply(hidden_states, unit, norm_eps(self), self.offset, self.casting_mode,
-                                          self.in_place)
+                                          norm_in_place(self))
 
     def extra_repr(self) -> str:
         if self.with_scale:

@@ -5,9 +5,10 @@ Both compute ``down_proj(silu(gate) * up)`` with the gating in one Triton kernel
 input dtype, where HF rounds ``silu(gate)`` and the product separately (at most about one
 output ulp apart). The backward recomputes silu from the saved gate and up projections and,
 with ``in_place=True`` (the default here), writes their gradients over those two temporaries
-instead of allocating new ones, unless something else still holds them (a forward hook that
-kept a projection's output, or ``.detach()``/``.data`` of it): then it allocates them. With a plain ``nn.Linear`` down projection the gated product
-is not saved for the down projection's backward either (:func:`gated_down_projection`).
+instead of allocating new ones: the module makes them itself and hands them to nobody, unless a
+hook can see them (:func:`gated_in_place`), and then it allocates the gradients. With a plain
+``nn.Linear`` down projection the gated product is not saved for the down projection's backward
+either (:func:`gated_down_projection`).
 Needs only torch and triton.
 """
 
@@ -21,14 +22,15 @@ from torch import nn
 from liger_kernel.ops.swiglu import SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
 from liger_kernel.transformers.distributed import accelerate_hooked, forward_is_wrapped, parameters_on_meta
 from liger_kernel.transformers.families import SILU_ACTIVATIONS
-from liger_kernel.transformers.recompute import has_only_recompute_hooks
+from liger_kernel.transformers.ownership import hooks_may_see
+from liger_kernel.transformers.recompute import RECOMPUTE_HOOKS, has_only_recompute_hooks
 
 
 def liger_swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``silu(a) * b`` for ``a``, ``b`` of one shape (..., I) and dtype.
 
-    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients where
-    nothing else holds them (checked at backward time; see :mod:`liger_kernel.ops.swiglu`).
+    ``in_place=True`` lets the backward overwrite ``a`` and ``b`` with their gradients: the
+    caller's promise that nothing else reads them afterwards (see :mod:`liger_kernel.ops.swiglu`).
     """
     return LigerSiLUMulFunction.apply(a, b, in_place)
 
@@ -70,6 +72,22 @@ def gated_down_projection(down_proj: nn.Module, a: torch.Tensor, b: torch.Tensor
     return down_proj(LigerGELUMulFunction.apply(a, b, in_place))
 
 
+_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj")
+
+
+def gated_in_place(mlp: nn.Module) -> bool:
+    """Whether a gated MLP's backward may write the gate/up gradients over the gate/up
+    activations at this call: its ``in_place`` setting (default True: the activations are
+    outputs of its own projections, handed to nobody) while no hook can see them, i.e. no hook
+    on a projection but the norm-output recompute's (which never touch them) and no global
+    module hook (:func:`~liger_kernel.transformers.ownership.hooks_may_see`)."""
+    if not getattr(mlp, "in_place", True):
+        return False
+    modules = mlp._modules
+    return not any(hooks_may_see(modules[name], RECOMPUTE_HOOKS) for name in _PROJECTIONS
+                   if modules.get(name) is not None)
+
+
 def _check_activation(config: Any, accepted: tuple[str, ...], cls_name: str, attr: str = "hidden_act") -> str:
     activation = getattr(config, attr, None)
     if activation not in accepted:
@@ -91,7 +109,8 @@ class LigerSwiGLUMLP(nn.Module):
     Args:
         config: any config with ``hidden_size``, ``intermediate_size`` and ``hidden_act`` in
             ("silu", "swish"); ``mlp_bias`` (default False) adds biases to the three projections.
-        in_place: let the backward write the gate/up gradients over the gate/up activations.
+        in_place: let the backward write the gate/up gradients over the gate/up activations
+            (at calls where no hook can see them, :func:`gated_in_place`).
 
     Attributes match ``LlamaMLP`` (``config``, ``hidden_size``, ``intermediate_size``,
     ``gate_proj``, ``up_proj``, ``down_proj``), so HF state dicts load unchanged. Raises
@@ -115,7 +134,7 @@ class LigerSwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Attributes are read off ``self`` only, so this forward can be bound onto an HF MLP.
         return gated_down_projection(self.down_proj, self.gate_proj(x), self.up_proj(x), SILU,
-                                     getattr(self, "in_place", True))
+                                     gated_in_place(self))
 
 
 class LigerPhi3SwiGLUMLP(nn.Module):
@@ -142,4 +161,4 @@ class LigerPhi3SwiGLUMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-        return gated_down_projection(self.down_proj, gate, up, SILU, getattr(self, "in_place", True))
+        return gated_down_projection(self.down_proj, gate, up, SILU, gated_in_place(self))

@@ -276,7 +276,7 @@ def liger_mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
     ``"silu"`` or ``"gelu_tanh"``; a fused ``gate_up_proj`` holds the gate first.
     """
     from liger_kernel.ops.swiglu import GELU_TANH, SILU
-    from liger_kernel.transformers.swiglu import gated_down_projection
+    from liger_kernel.transformers.swiglu import gated_down_projection, gated_in_place
 
     if self._liger_activation == _SILU:
         activation = SILU
@@ -288,7 +288,7 @@ def liger_mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
     else:
         gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
-    return gated_down_projection(self.down_proj, gate, up, activation, getattr(self, "in_place", True))
+    return gated_down_projection(self.down_proj, gate, up, activation, gated_in_place(self))
 
 
 _MLP_PROBES: dict[tuple, MLPPlan | str] = {}

@@ -52,13 +52,14 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
-def _patch_norm_instance(module: nn.Module, family: ModelFamily, options: PatchOptions) -> None:
+def _patch_norm_instance(module: nn.Module, family: ModelFamily, options: PatchOptions,
+                         in_place: bool = True) -> None:
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
     spec = family.norm
     module.offset = spec.offset
     module.casting_mode = spec.casting_mode
-    module.in_place = spec.in_place and options.in_place
+    module.in_place = spec.in_place and options.in_place and in_place
     bind_method(module, "forward", LigerRMSNorm.forward)
     bind_method(module, "extra_repr", LigerRMSNorm.extra_repr)
 
@@ -79,20 +80,24 @@ def _decoder_layers(base_model: nn.Module) -> list[nn.Module]:
 def _patch_norms(model: nn.Module, family: ModelFamily, options: PatchOptions) -> int:
     spec = family.norm
     base_model = model.base_model
-    norms = [_resolve(base_model, spec.final_attr)]
+    # The final norm's output is handed out (the base model's last hidden state), so its
+    # gradient may be seen by the caller: never overwritten. A decoder layer's norm outputs
+    # are intermediates nobody else receives.
+    final = _resolve(base_model, spec.final_attr)
+    norms = [(final, False)]
     for layer in _decoder_layers(base_model):
-        norms.extend(_resolve(layer, path) for path in spec.layer_attrs)
+        norms.extend((_resolve(layer, path), True) for path in spec.layer_attrs)
     done: set[int] = set()
-    for norm in norms:
-        if norm is not None and type(norm).__name__ == spec.class_name:
-            _patch_norm_instance(norm, family, options)
+    for norm, in_place in norms:
+        if norm is not None and type(norm).__name__ == spec.class_name and id(norm) not in done:
+            _patch_norm_instance(norm, family, options, in_place)
             done.add(id(norm))
     # The table lists where the norms sit; a norm it misses means the HF layout changed.
     for name, module in model.named_modules():
         if type(module).__name__ == spec.class_name and id(module) not in done:
             logger.warning("%s: norm %r is not listed in the family table; patching it anyway.",
                            family.model_type, name)
-            _patch_norm_instance(module, family, options)
+            _patch_norm_instance(module, family, options, in_place=False)
             done.add(id(module))
     return len(done)
 
