@@ -2,7 +2,7 @@
 PY ?= python3
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test demo lint bench gpu-check hub-kernel
+.PHONY: setup test test-pythons demo lint bench gpu-check hub-kernel
 
 # The trl extra's range (pyproject.toml): later TRL versions no longer call the chunked losses.
 TRL_IN_RANGE = from importlib.metadata import version; from packaging.version import Version as V; \
@@ -16,6 +16,13 @@ setup:
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --timeout 900
+
+# The ownership and patching tests on every Python of requires-python (3.10 to 3.13), one
+# virtual environment each under .venvs/ (pyenv's interpreters; torch==2.13.0 in each):
+# `make test-pythons`, or `make test-pythons PYTHONS="3.12 3.13"`.
+PYTHONS ?= 3.10 3.11 3.12 3.13
+test-pythons:
+	bash scripts/test_pythons.sh $(PYTHONS)
 
 demo: setup
 	$(PY) scripts/demo.py $(ARGS)

@@ -41,17 +41,16 @@ def hf_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
 def _liger_rms_norm():
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-    # in_place=True (the default). In a model the backward writes dX over dY, which autograd
-    # owns; here dY is the harness's own tensor, which must survive, so dX is a new buffer.
-    return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", True)
+    # in_place=False: dY is the harness's own tensor, which must survive, so dX is a new
+    # buffer. (In a patched model the decoder-layer norms write dX over dY, which nobody else reads.)
+    return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
 
 
 def _liger_layer_norm():
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
-    # in_place=True (the default). In a model the backward writes dX over dY, which autograd
-    # owns; here dY is the harness's own tensor, which must survive, so dX is a new buffer.
-    return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS, True)
+    # in_place=False, as for RMSNorm: dY is the harness's own tensor.
+    return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS, False)
 
 
 def _inputs(with_bias: bool):

@@ -28,10 +28,12 @@ TESTS=(
     tests/ops/test_grad_ownership.py
     tests/ops/test_cross_entropy.py
     tests/ops/test_swiglu.py
+    tests/transformers/test_ownership.py
     tests/transformers/test_recompute.py
-    tests/transformers/test_cross_entropy.py
     tests/transformers/test_rms_norm.py
+    tests/transformers/test_swiglu.py
     tests/transformers/test_monkey_patch.py
+    tests/transformers/test_discovery.py
 )
 
 interpreter() {

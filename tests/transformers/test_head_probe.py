@@ -229,9 +229,8 @@ def test_probed_fused_forward_traces_as_one_graph(model_type):
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     model, batch = tiny_model(model_type)
-    # explain, not a fullgraph trace: a failed fullgraph trace leaves Dynamo's frame hook in place,
-    # which changes the reference counts later in-place decisions in this process take
-    # (liger_kernel.ops.grad_ownership), so they would refuse to write in place.
+    # explain, not a fullgraph trace: a failed fullgraph trace leaves Dynamo's frame hook in
+    # place for the rest of the process.
     torch._dynamo.reset()
     breaks = torch._dynamo.explain(model)(**batch).graph_break_count
     torch._dynamo.reset()

@@ -23,7 +23,12 @@ from liger_kernel.transformers.causal_lm import fused_loss_forward, liger_causal
 from liger_kernel.transformers.families import FAMILIES, GELU_TANH_ACTIVATIONS, SILU_ACTIVATIONS, ModelFamily
 from liger_kernel.transformers.patching import class_level
 from liger_kernel.transformers.patching.generic import patch_discovered
-from liger_kernel.transformers.patching.instance import fused_loss_spec, patch_instance, unwrap_peft
+from liger_kernel.transformers.patching.instance import (
+    fused_loss_spec,
+    keep_final_norm_gradient,
+    patch_instance,
+    unwrap_peft,
+)
 from liger_kernel.transformers.patching.options import GATED_OPTIONS, PatchOptions
 from liger_kernel.transformers.patching.replacements import (
     liger_apply_gate,
@@ -38,14 +43,18 @@ from liger_kernel.transformers.recompute import hook_norm_consumers
 logger = logging.getLogger(__name__)
 
 
-def _hooking_post_init(post_init: Callable, consumer_classes: tuple[str, ...]) -> Callable:
-    """``post_init`` (the last step of every HF model's ``__init__``) followed by the
-    installation of the norm-output recompute's consumer hooks on the new model."""
+def _liger_post_init(post_init: Callable, family: ModelFamily, hook_consumers: bool, norms: bool) -> Callable:
+    """``post_init`` (the last step of every HF model's ``__init__``) followed by what a
+    class-level patch does to the new model: the norm-output recompute's consumer hooks
+    (``hook_consumers``) and, with the norm patched (``norms``), the final norm kept out of place."""
 
     @functools.wraps(post_init)
     def liger_post_init(self, *args: Any, **kwargs: Any) -> Any:
         result = post_init(self, *args, **kwargs)
-        hook_norm_consumers(self, consumer_classes)
+        if hook_consumers:
+            hook_norm_consumers(self, family.norm.consumer_classes)
+        if norms:
+            keep_final_norm_gradient(self, family)
         return result
 
     return liger_post_init
@@ -57,9 +66,9 @@ def patch_classes(family: ModelFamily, options: PatchOptions) -> None:
     Models built afterwards use the kernels: the RMSNorm class, the MLP class (fused experts
     keep their class, whose ``forward``/``_apply_gate`` are replaced so that only the
     activation changes: HF's ``_init_weights`` tests ``isinstance`` against that class), the
-    module-level rotary function, the ``*ForCausalLM.forward`` (fused linear cross entropy)
-    with, for the norm-output recompute, a ``post_init`` that hooks the new model's norm
-    consumers, and, with ``cross_entropy``, the class's loss function.
+    module-level rotary function, the ``*ForCausalLM.forward`` (fused linear cross entropy),
+    a ``post_init`` that hooks the new model's norm consumers for the norm-output recompute and
+    keeps its final norm out of place, and, with ``cross_entropy``, the class's loss function.
     """
     mt = family.model_type
     modeling = modeling_module(family)
@@ -80,14 +89,15 @@ def patch_classes(family: ModelFamily, options: PatchOptions) -> None:
         hf_class = class_level.original(mt, modeling, family.mlp.class_name)
         class_level.set_patched(mt, modeling, family.mlp.class_name, liger_mlp_class(mt, hf_class, options.in_place))
     causal_lm = getattr(modeling, family.causal_lm_class)
+    hook_consumers = options.fused_linear_cross_entropy and options.recompute_norm_outputs
+    post_init = class_level.original(mt, causal_lm, "post_init")
+    if hook_consumers or options.rms_norm:
+        class_level.set_patched(mt, causal_lm, "post_init",
+                                _liger_post_init(post_init, family, hook_consumers, options.rms_norm))
+    elif options.fused_linear_cross_entropy:
+        class_level.set_patched(mt, causal_lm, "post_init", post_init)
     if options.fused_linear_cross_entropy:
         class_level.set_patched(mt, causal_lm, "forward", fused_loss_forward(fused_loss_spec(family, options)))
-        post_init = class_level.original(mt, causal_lm, "post_init")
-        if options.recompute_norm_outputs:
-            class_level.set_patched(mt, causal_lm, "post_init",
-                                    _hooking_post_init(post_init, family.norm.consumer_classes))
-        else:
-            class_level.set_patched(mt, causal_lm, "post_init", post_init)
     if options.cross_entropy:
         # PreTrainedModel.loss_function returns self._loss_function when it exists.
         class_level.set_patched(mt, causal_lm, "_loss_function", staticmethod(liger_causal_lm_loss))

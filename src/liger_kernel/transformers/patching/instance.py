@@ -77,14 +77,20 @@ def _decoder_layers(base_model: nn.Module) -> list[nn.Module]:
     return list(layers) if layers is not None else []
 
 
+def keep_final_norm_gradient(model: nn.Module, family: ModelFamily) -> None:
+    """The final norm's output is handed out (the base model's last hidden state), so its
+    gradient may be seen by the caller: its backward never writes over it. A decoder layer's
+    norm outputs are intermediates nobody else receives."""
+    final = _resolve(model.base_model, family.norm.final_attr)
+    if final is not None and hasattr(final, "in_place"):
+        final.in_place = False
+
+
 def _patch_norms(model: nn.Module, family: ModelFamily, options: PatchOptions) -> int:
     spec = family.norm
     base_model = model.base_model
-    # The final norm's output is handed out (the base model's last hidden state), so its
-    # gradient may be seen by the caller: never overwritten. A decoder layer's norm outputs
-    # are intermediates nobody else receives.
     final = _resolve(base_model, spec.final_attr)
-    norms = [(final, False)]
+    norms = [(final, False)]  # see keep_final_norm_gradient
     for layer in _decoder_layers(base_model):
         norms.extend((_resolve(layer, path), True) for path in spec.layer_attrs)
     done: set[int] = set()

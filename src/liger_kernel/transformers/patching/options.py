@@ -37,8 +37,11 @@ class PatchOptions:
         recompute_norm_outputs: with the fused forward, the norm outputs the projections save
             for backward are recomputed there instead of kept
             (:mod:`liger_kernel.transformers.recompute`).
-        in_place: let the norm and gated-MLP backwards write input gradients over buffers
-            nothing else reads (a family's table entry can still forbid it for its norms).
+        in_place: the promise that nothing outside the patched layers reads the gradient of a
+            decoder-layer norm's output nor the gated MLP's gate/up activations, so their
+            backwards write over them (a family's table entry can still forbid it for its
+            norms; the final norm and any module a hook can see at a call never write). See
+            ``docs/api.md``, "Memory ownership".
     """
 
     rope: bool = True
