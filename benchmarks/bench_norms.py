@@ -107,7 +107,6 @@ SPECS = [
         size=lambda s: s["N"] * s["H"],
         size_label="N*H elements",
         targets=_targets(),
-        liger_mutates=("grad_output",),
     ),
     OpSpec(
         name="layer_norm",
@@ -122,6 +121,5 @@ SPECS = [
         size=lambda s: s["N"] * s["H"],
         size_label="N*H elements",
         targets=_targets(),
-        liger_mutates=("grad_output",),
     ),
 ]

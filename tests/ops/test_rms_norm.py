@@ -82,9 +82,9 @@ def run(fn, x, w, dy, *args):
     x = x.detach().clone().requires_grad_(True)
     w = w.detach().clone().requires_grad_(True)
     y = fn(x, w, *args)
-    # Through an exact op (* 1), so the gradient reaching the norm is a buffer autograd
-    # owns, as in a model, and the in-place backward does write into it (a tensor the
-    # caller passes to backward() itself is never overwritten).
+    # Through an exact op (* 1), so the gradient reaching the norm is a buffer nobody else
+    # reads, as in a model's decoder layer: in_place=True may write into it (dy itself, the
+    # caller's tensor, must stay intact: no in_place promise covers it).
     (y * 1).backward(dy.to(y.dtype, copy=True))
     return y.detach(), x.grad, w.grad
 
