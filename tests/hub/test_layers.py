@@ -537,3 +537,20 @@ def test_bf16_model_runs_the_kernels_within_bf16_of_a_float64_reference(reposito
     assert any(key[1] == torch.bfloat16 for key in layers._NORM_PLANS)
     assert_close(loss.detach(), exact, dtype=torch.bfloat16)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_gated_mlp_leaves_an_activation_a_hook_kept(repository, layers):
+    """The gated MLP layers write the gate/up gradients over the activations only while no hook
+    can see them: a forward hook on ``gate_proj`` that keeps its output still holds HF's values
+    after backward, and the step is HF's."""
+    reference = reference_model("llama")
+    model = with_layouts(reference, "llama", layers)
+    with use_kernel_mapping(local_mapping(repository)):
+        kernelize(model, mode=Mode.TRAINING, device=DEVICE)
+    assert_kernelized(model, {"LigerSwiGLUMLP"})
+    kept = {}
+    for name, net in (("hf", reference), ("kernel", model)):
+        net.model.layers[0].mlp.gate_proj.register_forward_hook(
+            lambda m, args, out, name=name: kept.__setitem__(name, out.detach()))
+    assert_same_step(model, reference)
+    torch.testing.assert_close(kept["kernel"], kept["hf"], **FP32_TOL)

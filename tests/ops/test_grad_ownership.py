@@ -180,3 +180,25 @@ def test_no_reference_count_logic_in_the_package():
         text = path.read_text()
         for pattern in ("getrefcount", "_storage_Use_Count", "use_count", "_use_count"):
             assert pattern not in text, f"{path.relative_to(root)} uses {pattern}"
+
+
+def test_hooks_may_see():
+    from liger_kernel.ops.grad_ownership import hooks_may_see
+
+    module = torch.nn.Linear(3, 3).to(DEVICE)
+    assert not hooks_may_see(module)
+
+    def observe(*args):
+        return None
+
+    for register in (module.register_forward_hook, module.register_forward_pre_hook,
+                     module.register_full_backward_hook, module.register_full_backward_pre_hook):
+        handle = register(observe)
+        assert hooks_may_see(module) and not hooks_may_see(module, ignored=(observe,))
+        handle.remove()
+    for register in (torch.nn.modules.module.register_module_forward_hook,
+                     torch.nn.modules.module.register_module_full_backward_hook):
+        handle = register(observe)
+        assert hooks_may_see(module) and hooks_may_see(module, ignored=(observe,))  # global: never ignored
+        handle.remove()
+    assert not hooks_may_see(module)

@@ -36,8 +36,9 @@ for the layout), so their kernels need no probe.
 
 Backward: the norms never write ``dx`` over the incoming gradient (``in_place=False``): a layer
 here cannot see whether the norm output feeds a residual add directly, where that gradient is
-shared. The gated MLPs let the backward reuse the gate/up activations where nothing else holds
-them, which :mod:`liger_kernel.ops.grad_ownership` checks at backward time, as the patching does.
+shared. The gated MLPs let the backward write the gate/up gradients over the gate/up
+activations, outputs of their own projections that they hand to nobody, at calls where no hook
+can see those (:func:`liger_kernel.ops.grad_ownership.hooks_may_see`), as the patching does.
 
 On a CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``).
 """
@@ -54,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_kernel.ops.geglu import LigerGELUMulFunction
+from liger_kernel.ops.grad_ownership import hooks_may_see
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 from liger_kernel.ops.rope import TABLES, LigerRopeFunction, RopeLayout
 from liger_kernel.ops.swiglu import GELU_TANH, SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
@@ -324,14 +326,18 @@ def gated_mlp(module: nn.Module, x: torch.Tensor, activation: int) -> torch.Tens
     (gate first), fused with a plain ``nn.Linear`` down projection as
     :func:`liger_kernel.transformers.swiglu.gated_down_projection` does."""
     if "gate_up_proj" in module._modules:
+        projections = (module.gate_up_proj,)
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
     else:
+        projections = (module.gate_proj, module.up_proj)
         gate, up = module.gate_proj(x), module.up_proj(x)
+    # The activations are this module's own projection outputs: private unless a hook sees them.
+    in_place = not any(hooks_may_see(projection) for projection in projections)
     down = module.down_proj
     if _plain_linear(down) and down.weight.device == gate.device:
-        return LigerGatedDownProjFunction.apply(gate, up, down.weight, down.bias, activation, True)
+        return LigerGatedDownProjFunction.apply(gate, up, down.weight, down.bias, activation, in_place)
     function = LigerSiLUMulFunction if activation == SILU else LigerGELUMulFunction
-    return down(function.apply(gate, up, True))
+    return down(function.apply(gate, up, in_place))
 
 
 class LigerSwiGLUMLP(nn.Module):

@@ -1,16 +1,47 @@
-"""Whether a norm's backward may write its input gradient over the gradient it received.
+"""Who may write a gradient over a buffer: the caller's promise, and what a module can check.
 
-Writing ``dx`` over ``dy`` saves an (N, H) buffer while the backward runs, and destroys ``dy``.
-Only the caller can know that nobody else reads ``dy``: autograd hands the very tensor given to
-``y.backward(g)`` to the backward, passes one gradient tensor on unchanged to both inputs of an
-addition (``norm(x) + residual``), and hooks may keep it. So the write happens only where the
-caller asked for it (``in_place=True``: a contract, see ``docs/api.md``, "Memory ownership"),
-never by guessing from reference counts; this module checks only what the kernel needs.
+Writing ``dx`` over a norm's ``dy`` saves an (N, H) buffer while the backward runs, and destroys
+``dy``; the gated activations' and the cross entropy's in-place backwards do the same to their
+inputs. Only the caller can know that nobody else reads that buffer: autograd hands the very
+tensor given to ``y.backward(g)`` to the backward, passes one gradient tensor on unchanged to
+both inputs of an addition (``norm(x) + residual``), and hooks may keep it. So the write
+happens only where the caller asked for it (``in_place=True``: a contract, see ``docs/api.md``,
+"Memory ownership"), never by guessing from reference counts.
+
+A module that makes the promise for buffers it creates itself (a gated MLP's projection
+outputs, a decoder-layer norm's output gradient) checks at each call that no hook can see
+them (:func:`hooks_may_see`): a module's hooks (forward, forward pre, backward, backward pre)
+receive its inputs, outputs and their gradients, and torch's global module hooks those of
+every module. Hooks are registered state, read as is.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn.modules import module as module_impl
+
+_OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
+
+
+def global_module_hooks() -> bool:
+    """Whether any global module hook is registered (``nn.modules.module.register_module_*_hook``).
+    A torch that keeps them elsewhere counts as having some."""
+    return any(getattr(module_impl, name, True) for name in _GLOBAL_HOOKS)
+
+
+def hooks_may_see(module: nn.Module, ignored: tuple = ()) -> bool:
+    """Whether a hook may see ``module``'s inputs, outputs or their gradients at this call: one
+    of its own hooks (any kind) other than the functions in ``ignored``, or a global module hook."""
+    for name in _OWN_HOOKS:
+        hooks = getattr(module, name, None)
+        if hooks is None:
+            continue
+        if any(hook not in ignored for hook in hooks.values()):
+            return True
+    return global_module_hooks()
 
 
 def backward_writes_into_grad(in_place: bool, grad_output: torch.Tensor, x: torch.Tensor) -> bool:

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from liger_kernel.ops.cross_entropy import CrossEntropyFunctionFromOptions
+from liger_kernel.ops.grad_ownership import hooks_may_see
 from liger_kernel.ops.loss_options import (
     OPTION_NAMES,
     CrossEntropyOptions,
     CrossEntropyOutput,
 )
-from liger_kernel.transformers.ownership import hooks_may_see
 
 __all__ = ["CrossEntropyLossBase", "CrossEntropyOptions", "CrossEntropyOutput", "LigerCrossEntropyLoss",
            "liger_cross_entropy"]

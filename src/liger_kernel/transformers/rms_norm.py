@@ -13,8 +13,8 @@ import functools
 import torch
 from torch import nn
 
+from liger_kernel.ops.grad_ownership import hooks_may_see
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
-from liger_kernel.transformers.ownership import hooks_may_see
 from liger_kernel.transformers.recompute import recomputing, register_recomputable
 
 
@@ -32,7 +32,7 @@ def norm_in_place(module: nn.Module) -> bool:
     """Whether a norm module's backward may write dx over its output's gradient at this call:
     its ``in_place`` promise (default False), kept only while no hook can see the output or its
     gradient (a forward hook that keeps the output, or registers a tensor hook on it, a backward
-    hook on the module; :func:`~liger_kernel.transformers.ownership.hooks_may_see`)."""
+    hook on the module; :func:`~liger_kernel.ops.grad_ownership.hooks_may_see`)."""
     return getattr(module, "in_place", False) and not hooks_may_see(module)
 
 

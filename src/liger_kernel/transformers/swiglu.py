@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from liger_kernel.ops.grad_ownership import hooks_may_see
 from liger_kernel.ops.swiglu import SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
 from liger_kernel.transformers.distributed import accelerate_hooked, forward_is_wrapped, parameters_on_meta
 from liger_kernel.transformers.families import SILU_ACTIVATIONS
-from liger_kernel.transformers.ownership import hooks_may_see
 from liger_kernel.transformers.recompute import RECOMPUTE_HOOKS, has_only_recompute_hooks
 
 
@@ -80,7 +80,7 @@ def gated_in_place(mlp: nn.Module) -> bool:
     activations at this call: its ``in_place`` setting (default True: the activations are
     outputs of its own projections, handed to nobody) while no hook can see them, i.e. no hook
     on a projection but the norm-output recompute's (which never touch them) and no global
-    module hook (:func:`~liger_kernel.transformers.ownership.hooks_may_see`)."""
+    module hook (:func:`~liger_kernel.ops.grad_ownership.hooks_may_see`)."""
     if not getattr(mlp, "in_place", True):
         return False
     modules = mlp._modules
