@@ -28,7 +28,7 @@ TESTS=(
     tests/ops/test_grad_ownership.py
     tests/ops/test_cross_entropy.py
     tests/ops/test_swiglu.py
-    tests/transformers/test_ownership.py
+    tests/transformers/test_patched_in_place.py
     tests/transformers/test_recompute.py
     tests/transformers/test_rms_norm.py
     tests/transformers/test_swiglu.py
