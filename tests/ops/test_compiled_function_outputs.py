@@ -52,7 +52,7 @@ def _cross_entropy(reduction, dtype=torch.float32, loss_dtype=None):
                                       reduction=reduction, return_token_accuracy=True)
 
         def step(x):
-            loss, _, _ = CrossEntropyFunctionFromOptions.apply(x * 2.0, target, weight, options, True, None, loss_dtype)
+            loss, _, _ = CrossEntropyFunctionFromOptions.apply(x * 2.0, target, weight, options, True, loss_dtype)
             return (loss,)
 
         return step, [_randn(n, v).to(dtype)]
@@ -191,7 +191,9 @@ def _run(step, inputs, upstream=None):
     outputs = step(*leaves)
     if upstream is None:
         upstream = [torch.rand_like(out) + 0.5 for out in outputs]
-    torch.autograd.backward(outputs, upstream)
+    # Copies: a backward asked to work in place (the norms' in_place=True) may write into the
+    # gradient it receives, and the same upstream serves the compiled run.
+    torch.autograd.backward(outputs, [u.clone() for u in upstream])
     return [out.detach() for out in outputs], upstream, [leaf.grad for leaf in leaves]
 
 

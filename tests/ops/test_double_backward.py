@@ -59,8 +59,8 @@ def _cases():
         # RoPE's backward does not depend on q and k (the rotation is linear): nothing to anchor.
         "rope": ([_randn(2, 3, 5, 8), _randn(2, 1, 5, 8)],
                  lambda q, k: LigerRopeFunction.apply(q, k, cos, sin), False),
-        # The caller holds these logits, so (in_place or not) the gradient goes to a fresh
-        # buffer: only gradients computed in the forward are saved.
+        # By default (in_place=False) the gradient goes to a fresh buffer: only gradients
+        # computed in the forward are saved.
         "cross_entropy": ([_randn(6, 11)],
                           lambda x: LigerCrossEntropyFunction.apply(x, target)[:1], False),
         # Only gradients computed in the forward are saved (see the module docstring).
