@@ -18,6 +18,15 @@ def check_tensor(x: object, name: str) -> torch.Tensor:
     return x
 
 
+def check_in_place(in_place: object) -> bool:
+    """``in_place`` as given: a bool. It is the caller's promise that nothing else reads the
+    buffer a backward writes over (``docs/api.md``, "Memory ownership"), so a truthy tensor or
+    string is a mistake to report, not a promise."""
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    return in_place
+
+
 def check_float_dtype(x: torch.Tensor, name: str, allowed: Sequence[torch.dtype] = SUPPORTED_FLOAT_DTYPES) -> None:
     check_tensor(x, name)
     if x.dtype not in allowed:

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
-from liger_kernel.ops.checks import check_float_dtype, check_same_device
+from liger_kernel.ops.checks import check_float_dtype, check_in_place, check_same_device
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     is_meta,
@@ -626,9 +626,3 @@ def _logits_gradient(ctx, grad_loss: torch.Tensor) -> torch.Tensor | None:
 _CROSS_ENTROPY_GRADS = InputGradients(LigerCrossEntropyFunction.forward)
 _FROM_OPTIONS_GRADS = InputGradients(CrossEntropyFunctionFromOptions.forward)
 
-
-def check_in_place(in_place: object) -> bool:
-    """``in_place`` as given: a bool (a truthy tensor or string is a mistake, not a promise)."""
-    if not isinstance(in_place, bool):
-        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
-    return in_place

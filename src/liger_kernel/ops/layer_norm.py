@@ -53,7 +53,7 @@ import torch
 
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
-from liger_kernel.ops.checks import as_rows
+from liger_kernel.ops.checks import as_rows, check_in_place
 from liger_kernel.ops.grad_ownership import backward_writes_into_grad
 from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.row_norm import (
@@ -142,8 +142,7 @@ class LigerLayerNormFunction(torch.autograd.Function):
     def forward(ctx, X: torch.Tensor, W: torch.Tensor, B: torch.Tensor | None,
                 eps: float = 1e-6, in_place: bool = False) -> torch.Tensor:
         check_layer_norm_args(X, W, B, eps)
-        if not isinstance(in_place, bool):
-            raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+        check_in_place(in_place)
         y, mean, rstd = layer_norm_forward(X, W, B, float(eps))
         ctx.save_for_backward(X, W, B, mean, rstd)
         ctx.in_place = in_place

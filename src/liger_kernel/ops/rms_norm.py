@@ -66,7 +66,7 @@ import torch
 
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
-from liger_kernel.ops.checks import as_rows
+from liger_kernel.ops.checks import as_rows, check_in_place
 from liger_kernel.ops.grad_ownership import backward_writes_into_grad
 from liger_kernel.ops.launch import liger_custom_op
 from liger_kernel.ops.row_norm import (
@@ -108,8 +108,7 @@ def check_rms_norm_args(X: object, W: object, eps: object, offset: object, casti
     if not isinstance(casting_mode, str):
         raise TypeError(f"casting_mode must be a str, got {type(casting_mode).__name__}")
     _casting_code(casting_mode)
-    if not isinstance(in_place, bool):
-        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    check_in_place(in_place)
 
 
 def _n_rows(x: torch.Tensor) -> int:

@@ -68,7 +68,13 @@ import triton.language as tl
 
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
-from liger_kernel.ops.checks import as_rows, check_float_dtype, check_same_device, check_tensor
+from liger_kernel.ops.checks import (
+    as_rows,
+    check_float_dtype,
+    check_in_place,
+    check_same_device,
+    check_tensor,
+)
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.launch import (
     MAX_BLOCK,
@@ -417,8 +423,7 @@ def gated_function_forward(ctx, ops: SimpleNamespace, a: torch.Tensor, b: torch.
                            in_place: bool) -> torch.Tensor:
     """Shared body of the gated-activation autograd Functions' forward."""
     check_gated_args(a, b)
-    if not isinstance(in_place, bool):
-        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    check_in_place(in_place)
     # Evaluated here, on the forward's inputs, because leaf-ness is lost in the saved tensors.
     ctx.in_place = in_place and not torch.compiler.is_compiling() and not a.is_meta and _in_place_is_safe(a, b)
     ctx.save_for_backward(a, b)
