@@ -53,7 +53,9 @@ class NormSpec:
     ``in_place`` lets the backward write ``dx`` into the buffer of the incoming ``dy``. That is
     only safe when nothing else reads that gradient tensor; a norm whose output feeds a
     residual add directly (Gemma 2's post-attention / post-feedforward norms) shares ``dy``
-    with the residual branch, so such families use ``in_place=False``.
+    with the residual branch, so such families use ``in_place=False``. It is a promise about the
+    decoder-layer norms only: the final norm's output is handed to the caller (the last hidden
+    state), so the patch never lets it write in place.
 
     ``layer_attrs`` are attribute paths relative to each decoder layer (``model.layers[i]``),
     ``final_attr`` is relative to the base model; together they list every norm instance.
