@@ -83,9 +83,11 @@ def gated_in_place(mlp: nn.Module) -> bool:
     module hook (:func:`~liger_kernel.ops.grad_ownership.hooks_may_see`)."""
     if not getattr(mlp, "in_place", True):
         return False
-    modules = mlp._modules
-    return not any(hooks_may_see(modules[name], RECOMPUTE_HOOKS) for name in _PROJECTIONS
-                   if modules.get(name) is not None)
+    for name in _PROJECTIONS:
+        projection = mlp._modules.get(name)
+        if projection is not None and hooks_may_see(projection, RECOMPUTE_HOOKS):
+            return False
+    return True
 
 
 def _check_activation(config: Any, accepted: tuple[str, ...], cls_name: str, attr: str = "hidden_act") -> str:
