@@ -115,10 +115,6 @@ def _apply_eagerly(cls, *args, **kwargs):
     return super(EagerUnderCompile, cls).apply(*args, **kwargs)
 
 
-# The name the modules being rewritten elsewhere still import; new code uses the name above.
-once_differentiable = strictly_once_differentiable
-
-
 class InputGradients:
     """The tuple an autograd Function's backward returns, laid out from its forward's signature:
     one entry per parameter after ``ctx``, the gradients named in the call, None elsewhere.

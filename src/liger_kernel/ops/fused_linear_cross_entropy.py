@@ -36,7 +36,7 @@ Memory beyond the gradients themselves: the (C, V) chunk buffer plus O(N + V).
 
 import torch
 
-from liger_kernel.ops.autograd import once_differentiable
+from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
 from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
 from liger_kernel.ops.head_chunking import (
@@ -46,15 +46,10 @@ from liger_kernel.ops.head_chunking import (
     grad_input_rows,
     gradient_bytes,
 )
-from liger_kernel.ops.launch import liger_custom_op
-from liger_kernel.ops.loss_options import (
-    CrossEntropyOptions,
-    check_class_weight,
-    is_meta,
-    mean_denominators,
-    reduce_rows,
-    start_target_check,
-)
+from liger_kernel.ops.launch import is_meta, liger_custom_op
+from liger_kernel.ops.loss_checks import check_class_weight, start_target_check
+from liger_kernel.ops.loss_options import CrossEntropyOptions
+from liger_kernel.ops.loss_reduction import mean_denominators, reduce_rows
 from liger_kernel.ops.scaling import scale_gradient
 
 
@@ -321,37 +316,52 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         return _fused_linear_cross_entropy(ctx, _input, weight, target, bias, ce_weight, options, accum_dtype)
 
     @staticmethod
-    @once_differentiable
+    @strictly_once_differentiable
     def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
-        needs_input, needs_weight, needs_bias = ctx.needs
-        if ctx.reduction != "none":
-            grad_input, grad_weight, grad_bias = ctx.saved_tensors
-            if needs_input:
-                grad_input = scale_gradient(grad_input, grad_loss)
-            if needs_weight:
-                grad_weight = scale_gradient(grad_weight, grad_loss)
-            if needs_bias:
-                grad_bias = scale_gradient(grad_bias, grad_loss)
-        else:
-            x, weight, target, bias, ce_weight = ctx.saved_tensors
-            backward = (_fused_linear_cross_entropy_backward_fake if is_meta(x)
-                        else fused_linear_cross_entropy_backward)
-            grad_input, grad_weight, grad_bias = backward(
-                grad_loss, x, weight, target, bias, ce_weight, *ctx.options, needs_input, needs_weight, needs_bias,
-                ctx.accum_fp32, ctx.floor_bytes,
-            )
-        return (
-            grad_input if needs_input else None,
-            grad_weight if needs_weight else None,
-            None,
-            grad_bias if needs_bias else None,
-        ) + (None,) * 8
+        grad_input, grad_weight, grad_bias = _input_grads(ctx, grad_loss)
+        return _GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
 
 
-class FusedLinearCrossEntropyFunction(LigerFusedLinearCrossEntropyFunction):
-    """:class:`LigerFusedLinearCrossEntropyFunction` for callers holding validated options:
-    ``apply(input, weight, target, bias, ce_weight, options, accum_dtype)``."""
+def _input_grads(ctx, grad_loss):
+    """(dX, dW, dB) for the loss's upstream gradient, None where not needed: the forward's
+    gradients scaled, or (``"none"``) recomputed chunk by chunk with the per-row upstream."""
+    needs_input, needs_weight, needs_bias = ctx.needs
+    if ctx.reduction != "none":
+        grad_input, grad_weight, grad_bias = ctx.saved_tensors
+        if needs_input:
+            grad_input = scale_gradient(grad_input, grad_loss)
+        if needs_weight:
+            grad_weight = scale_gradient(grad_weight, grad_loss)
+        if needs_bias:
+            grad_bias = scale_gradient(grad_bias, grad_loss)
+    else:
+        x, weight, target, bias, ce_weight = ctx.saved_tensors
+        backward = (_fused_linear_cross_entropy_backward_fake if is_meta(x)
+                    else fused_linear_cross_entropy_backward)
+        grad_input, grad_weight, grad_bias = backward(
+            grad_loss, x, weight, target, bias, ce_weight, *ctx.options, needs_input, needs_weight, needs_bias,
+            ctx.accum_fp32, ctx.floor_bytes,
+        )
+    return (grad_input if needs_input else None, grad_weight if needs_weight else None,
+            grad_bias if needs_bias else None)
+
+
+_GRADS = InputGradients(LigerFusedLinearCrossEntropyFunction.forward)
+
+
+class FusedLinearCrossEntropyFunctionFromOptions(torch.autograd.Function):
+    """:class:`LigerFusedLinearCrossEntropyFunction` taking validated options instead of
+    keywords: ``apply(input, weight, target, bias, ce_weight, options, accum_dtype)``."""
 
     @staticmethod
     def forward(ctx, _input, weight, target, bias, ce_weight, options, accum_dtype):
         return _fused_linear_cross_entropy(ctx, _input, weight, target, bias, ce_weight, options, accum_dtype)
+
+    @staticmethod
+    @strictly_once_differentiable
+    def backward(ctx, grad_loss, grad_z_loss=None, grad_accuracy=None):
+        grad_input, grad_weight, grad_bias = _input_grads(ctx, grad_loss)
+        return _FROM_OPTIONS_GRADS(_input=grad_input, weight=grad_weight, bias=grad_bias)
+
+
+_FROM_OPTIONS_GRADS = InputGradients(FusedLinearCrossEntropyFunctionFromOptions.forward)

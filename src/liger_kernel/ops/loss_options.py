@@ -18,11 +18,6 @@ from typing import NamedTuple
 
 import torch
 
-# Imported from here by fused_linear_cross_entropy.py until it imports them from their modules.
-from liger_kernel.ops.launch import is_meta  # noqa: F401
-from liger_kernel.ops.loss_checks import check_class_weight, start_target_check  # noqa: F401
-from liger_kernel.ops.loss_reduction import mean_denominators, reduce_rows  # noqa: F401
-
 REDUCTIONS = ("mean", "sum", "none")
 
 

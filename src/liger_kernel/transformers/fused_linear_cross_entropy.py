@@ -21,13 +21,9 @@ from typing import Union
 
 import torch
 
-from liger_kernel.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunction
-from liger_kernel.ops.loss_options import (
-    CrossEntropyOptions,
-    CrossEntropyOutput,
-    mean_denominators,
-    reduce_rows,
-)
+from liger_kernel.ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFunctionFromOptions
+from liger_kernel.ops.loss_options import CrossEntropyOptions, CrossEntropyOutput
+from liger_kernel.ops.loss_reduction import mean_denominators, reduce_rows
 from liger_kernel.transformers.cross_entropy import CrossEntropyLossBase
 
 __all__ = ["LigerFusedLinearCrossEntropyLoss", "liger_fused_linear_cross_entropy"]
@@ -86,7 +82,7 @@ def _fused_linear_cross_entropy(input, weight, target, bias, ce_weight, options:
     input, weight, bias = _autocast_operands(input, weight, bias)
     if use_token_scaling:
         return _token_scaled(input, weight, target, bias, ce_weight, options, accum_dtype)
-    loss, z_loss, accuracy = FusedLinearCrossEntropyFunction.apply(input, weight, target, bias, ce_weight, options,
+    loss, z_loss, accuracy = FusedLinearCrossEntropyFunctionFromOptions.apply(input, weight, target, bias, ce_weight, options,
                                                                    accum_dtype)
     return options.outputs(loss, z_loss, accuracy)
 
@@ -99,7 +95,7 @@ def _token_scaled(input, weight, target, bias, ce_weight, options: CrossEntropyO
         raise ValueError("use_token_scaling with reduction='mean' does not support class weights (ce_weight) "
                          "together with a z-loss (lse_square_scale != 0)")
     rows = dataclasses.replace(options, reduction="none")
-    loss_rows, z_rows, correct_rows = FusedLinearCrossEntropyFunction.apply(input, weight, target, bias, ce_weight,
+    loss_rows, z_rows, correct_rows = FusedLinearCrossEntropyFunctionFromOptions.apply(input, weight, target, bias, ce_weight,
                                                                             rows, accum_dtype)
     plain = options.label_smoothing == 0.0 and options.lse_square_scale == 0.0 and ce_weight is None
     if plain:
@@ -107,7 +103,7 @@ def _token_scaled(input, weight, target, bias, ce_weight, options: CrossEntropyO
     else:
         nll_options = CrossEntropyOptions(ignore_index=options.ignore_index, softcap=options.softcap, reduction="none")
         with torch.no_grad():
-            nll_rows = FusedLinearCrossEntropyFunction.apply(input.detach(), weight.detach(), target,
+            nll_rows = FusedLinearCrossEntropyFunctionFromOptions.apply(input.detach(), weight.detach(), target,
                                                              None if bias is None else bias.detach(), None,
                                                              nll_options, accum_dtype)[0]
     counted = target.reshape(-1) != options.ignore_index
