@@ -26,6 +26,17 @@ def reference_rows(logits, target, temperature):
     return picked * valid, entropy * valid
 
 
+def random_head(leading, hidden, vocab, dtype, with_bias):
+    """Fresh ``(x, weight, bias, target)``, about 30% of the targets ignored (never the first)."""
+    x = torch.randn(*leading, hidden, device=DEVICE).to(dtype)
+    weight = (torch.randn(vocab, hidden, device=DEVICE) * 3 / hidden**0.5).to(dtype)
+    bias = torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None
+    target = torch.randint(0, vocab, leading, device=DEVICE)
+    target[torch.rand(leading, device=DEVICE) < 0.3] = IGNORE
+    target.view(-1)[0] = 0
+    return x, weight, bias, target
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("leading, hidden, vocab, temperature, with_bias, grads_of, chunk_rows", [
     ((3, 7), 16, 37, 0.7, True, "both", None),
@@ -34,12 +45,7 @@ def reference_rows(logits, target, temperature):
     ((4, 1), 16, 53, 0.9, False, "entropy", None),
 ])
 def test_matches_float64(dtype, leading, hidden, vocab, temperature, with_bias, grads_of, chunk_rows):
-    x = torch.randn(*leading, hidden, device=DEVICE).to(dtype)
-    weight = (torch.randn(vocab, hidden, device=DEVICE) * 3 / hidden**0.5).to(dtype)
-    bias = torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None
-    target = torch.randint(0, vocab, leading, device=DEVICE)
-    target[torch.rand(leading, device=DEVICE) < 0.3] = IGNORE
-    target.view(-1)[0] = 0
+    x, weight, bias, target = random_head(leading, hidden, vocab, dtype, with_bias)
     g = torch.randn(leading, device=DEVICE) * (grads_of != "entropy")
     h = torch.randn(leading, device=DEVICE) * (grads_of != "logp")
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
@@ -120,3 +126,132 @@ def test_closed_form_gradient_matches_autograd(dtype, with_entropy, temperature,
     # One rounding to the chunk's dtype: half an ulp of the largest entry.
     tolerance = 1e-5 if dtype == torch.float32 else 2**-8 * float(expected.abs().max())
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=1e-5 if dtype == torch.float32 else 2**-8)
+
+
+# --------------------------------------------------------------------------------------
+# fused_linear_token_statistics: soft-cap, logit scale and the optional statistics
+# --------------------------------------------------------------------------------------
+
+ALL_STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def transformed(logits, temperature, softcap, logit_scale):
+    """``s = softcap(z * logit_scale) / temperature`` (float64 in, float64 out)."""
+    z = logits * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def reference_statistics(logits, target, temperature, softcap, logit_scale):
+    """float64 ``(logp, entropy, log_sum_sq_probs, mean_logits, is_top1, top-2 gap)`` per row,
+    0 (False) where ignored; ``is_top1`` against the first argmax."""
+    valid = target != IGNORE
+    s = transformed(logits, temperature, softcap, logit_scale)
+    log_p = torch.log_softmax(s, dim=-1)
+    logp = log_p.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1) * valid
+    entropy = -(log_p.exp() * log_p).sum(-1) * valid
+    log_sum_sq = torch.logsumexp(2 * log_p, dim=-1) * valid
+    mean = s.mean(-1) * valid
+    top1 = (s.argmax(-1) == target) & valid
+    top2 = s.topk(min(2, s.shape[-1]), dim=-1).values
+    gap = top2[:, 0] - top2[:, -1] if s.shape[-1] > 1 else torch.full_like(mean, float("inf"))
+    return logp, entropy, log_sum_sq, mean, top1, gap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("leading, hidden, vocab, temperature, softcap, logit_scale, with_bias, grads_of, outputs, "
+                         "chunk_rows, accum_dtype", [
+                             ((3, 7), 16, 37, 0.7, None, 1.0, True, "both", ALL_STATISTICS, None, None),
+                             ((11,), 8, 2, 1.0, 2.0, 0.5, False, "logp", ("mean_logits", "is_top1"), 4,
+                              torch.float32),
+                             ((2, 5), 32, 101, 1.6, 5.0, 2.0, True, "entropy", ALL_STATISTICS, 3, torch.float32),
+                             ((4, 1), 16, 53, 0.9, 30.0, 1.0, False, "both", ("log_sum_sq_probs", "entropy"), None,
+                              None),
+                         ])
+def test_token_statistics_match_float64(dtype, leading, hidden, vocab, temperature, softcap, logit_scale, with_bias,
+                                        grads_of, outputs, chunk_rows, accum_dtype):
+    from liger_kernel.ops.fused_linear_logprobs import fused_linear_token_statistics
+
+    x, weight, bias, target = random_head(leading, hidden, vocab, dtype, with_bias)
+    with_entropy = "entropy" in outputs
+    g = torch.randn(leading, device=DEVICE) * (grads_of != "entropy")
+    h = torch.randn(leading, device=DEVICE) * (grads_of != "logp" and with_entropy)
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    override = {} if chunk_rows is None else {"chunk_rows": chunk_rows}
+    with override_launch_config(ChunkedHeadConfig, **override):
+        got = fused_linear_token_statistics(leaves[0], leaves[1], target, leaves[2], temperature=temperature,
+                                            softcap=softcap, logit_scale=logit_scale, outputs=outputs,
+                                            accum_dtype=accum_dtype)
+        for name in ALL_STATISTICS:
+            assert (getattr(got, name) is None) == (name not in outputs), name
+        assert got.logprobs.shape == leading and got.logprobs.dtype == torch.float32
+        terms = ([(got.logprobs * g).sum()] if grads_of != "entropy" else []) + \
+            ([(got.entropy * h).sum()] if grads_of != "logp" and with_entropy else [])
+        sum(terms).backward()
+        ranges = row_chunks(x.reshape(-1, hidden), weight)
+    plan = ChunkPlan(False, tuple(((a, b),) for a, b in ranges), ())
+    n = target.numel()
+
+    def loss_of_logits(logits, _):
+        lp, ent, *rest = reference_statistics(logits.reshape(n, vocab), target.reshape(-1), temperature, softcap,
+                                              logit_scale)
+        q = torch.stack((lp, ent), -1).view(1, n, 2)
+        value = (q[0, :, 0] * g.reshape(-1)).sum() + (q[0, :, 1] * h.reshape(-1)).sum()
+        return value, (lp.detach(), ent.detach(), *(t.detach() for t in rest)), q
+
+    x_rows = x.reshape(1, n, hidden)
+    _, ref, grads_ref, bounds, _ = reference_grads(loss_of_logits, x_rows, weight, bias, plan,
+                                                   logit_scale=logit_scale / temperature)
+    lp_ref, ent_ref, sq_ref, mean_ref, top1_ref, gap = ref
+    assert_loss_match(got.logprobs.reshape(-1), lp_ref, "log-probabilities")
+    for name, expected in (("entropy", ent_ref), ("log_sum_sq_probs", sq_ref), ("mean_logits", mean_ref)):
+        if name in outputs:
+            value = getattr(got, name)
+            assert value.dtype == torch.float32 and value.shape == leading, name
+            assert value.requires_grad == (name == "entropy"), name
+            assert_loss_match(value.reshape(-1), expected, name)
+    if "is_top1" in outputs:
+        assert got.is_top1.dtype == torch.bool and got.is_top1.shape == leading
+        clear = gap > 1e-3  # rows whose top two logits the float32 rounding cannot swap
+        assert torch.equal(got.is_top1.reshape(-1)[clear], top1_ref[clear])
+    grads_ref[0], bounds[0] = grads_ref[0].view(x.shape), bounds[0].reshape(x.shape)
+    assert_grads_match(leaves, grads_ref, bounds, len(ranges))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_is_top1_takes_the_first_of_tied_maxima(dtype, softcap):
+    """Integer inputs make the logits exact, so rows of the head that repeat give exact ties:
+    the target counts as top-1 only when no earlier token reaches its logit."""
+    from liger_kernel.ops.fused_linear_logprobs import fused_linear_token_statistics
+
+    hidden, vocab = 5, 13
+    x = torch.randint(-2, 3, (6, hidden), device=DEVICE).to(dtype)
+    weight = torch.randint(-2, 3, (vocab, hidden), device=DEVICE).to(dtype)
+    weight[9] = weight[4]
+    weight[11] = weight[4]
+    x[:, 0] = 20.0  # token 4 (and its copies 9, 11) the unique argmax of every row: 40 - 16 > -20 + 16
+    weight[:, 0] = -1.0
+    weight[4, 0] = weight[9, 0] = weight[11, 0] = 2.0
+    target = torch.tensor([4, 9, 11, 0, IGNORE, 4], device=DEVICE)
+    got = fused_linear_token_statistics(x, weight, target, softcap=softcap, outputs=("is_top1",))
+    assert got.is_top1.tolist() == [True, False, False, False, False, True]
+    reference = reference_statistics(x.double() @ weight.double().t(), target, 1.0, softcap, 1.0)[4]
+    assert got.is_top1.tolist() == reference.tolist()
+
+
+def test_token_statistics_bad_arguments_raise():
+    from liger_kernel.ops.fused_linear_logprobs import fused_linear_token_statistics
+
+    x, weight, target = torch.randn(4, 8), torch.randn(7, 8), torch.zeros(4).long()
+    with pytest.raises(ValueError, match="unknown output 'logits'"):
+        fused_linear_token_statistics(x, weight, target, outputs=("logits",))
+    with pytest.raises(TypeError, match="outputs"):
+        fused_linear_token_statistics(x, weight, target, outputs="entropy")
+    with pytest.raises(ValueError, match="softcap"):
+        fused_linear_token_statistics(x, weight, target, softcap=0.0)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        fused_linear_token_statistics(x, weight, target, accum_dtype=torch.float16)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_linear_token_statistics(x, weight, target, temperature=-1.0)

@@ -18,6 +18,7 @@ _EXPORTS = {
     "LigerChunkedHeadFunction": "chunked_head",
     "LigerFusedLinearLogProbsFunction": "fused_linear_logprobs",
     "LigerFusedLinearScaledCrossEntropyFunction": "fused_linear_logprobs",
+    "LigerFusedLinearTokenStatisticsFunction": "fused_linear_logprobs",
 }
 
 __all__ = list(_EXPORTS)

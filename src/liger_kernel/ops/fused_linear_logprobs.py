@@ -29,18 +29,28 @@ same computation in the call shape verl uses: ``apply(_input (N, D), weight (V, 
 temperature=1.0, ignore_index=-100, m_tiles_per_cluster=1, return_entropy=False)`` returning the
 negative log-probabilities ``-logp`` (and ``H`` with ``return_entropy``). Deviation from the
 best-known library: the entropy is returned in float32, not in the input dtype.
+
+:func:`fused_linear_token_statistics` (:class:`LigerFusedLinearTokenStatisticsFunction`) is the
+general form an RL trainer's fused head needs (TRL's, through
+:mod:`liger_kernel.transformers.trl_fused_head`): the logits transformed as
+``s = softcap(z * logit_scale) / temperature`` before the softmax, and besides ``logp`` each
+only when asked: the entropy, ``log sum p^2``, the mean of ``s`` and whether the target is the
+first argmax; float32 accumulation of dW optional. Same passes and costs as above.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from liger_kernel.ops.autograd import EagerUnderCompile, strictly_once_differentiable
+from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     ChunkedHeadConfig,
     HeadGrads,
     _logits,
+    autocast_operands,
     check_head_args,
     chunk_plan,
     chunked_head_loss_and_grads,
@@ -179,3 +189,155 @@ class LigerFusedLinearScaledCrossEntropyFunction:
             raise TypeError("return_entropy must be a bool")
         logp, entropy = fused_linear_logprobs(_input, weight, target, None, temperature, ignore_index)
         return (-logp, entropy) if return_entropy else -logp
+
+
+# --------------------------------------------------------------------------------------
+# Log-probabilities with the per-token statistics of an RL trainer's fused head
+# --------------------------------------------------------------------------------------
+
+# The optional per-token outputs, in the order they are returned after the log-probabilities.
+TOKEN_STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+class TokenStatistics(NamedTuple):
+    """What :func:`fused_linear_token_statistics` returns; None for an output not asked for."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    log_sum_sq_probs: torch.Tensor | None
+    mean_logits: torch.Tensor | None
+    is_top1: torch.Tensor | None
+
+
+def check_token_statistics(outputs) -> tuple[str, ...]:
+    """``outputs`` as a tuple of names from :data:`TOKEN_STATISTICS` (each once, any order)."""
+    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
+        raise TypeError(f"outputs must be a tuple of names among {TOKEN_STATISTICS}, got {outputs!r}")
+    unknown = [name for name in outputs if name not in TOKEN_STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown output {unknown[0]!r}; the outputs besides the log-probabilities are "
+                         f"{', '.join(TOKEN_STATISTICS)}")
+    return tuple(name for name in TOKEN_STATISTICS if name in outputs)
+
+
+def token_statistics_rows(ignore_index: int | None, temperature: float, softcap: float | None, logit_scale: float,
+                          outputs: tuple[str, ...] = ()) -> LogitRowStatistics:
+    """The row statistics of ``[logp, *outputs]`` (columns in :data:`TOKEN_STATISTICS` order) at
+    ``s = softcap(z * logit_scale) / temperature``."""
+    return LogitRowStatistics(ignore_index, temperature, softcap, logit_scale,
+                              **{name: name in outputs for name in TOKEN_STATISTICS})
+
+
+@torch.compiler.disable
+def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, needs=(True, True)):
+    """(N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D), on the backward's chunks, no graph
+    (never traced, as :func:`logprobs_and_entropy_forward`)."""
+    out = torch.empty((x.shape[0], len(rows.column_names(1))), device=x.device, dtype=torch.float32)
+    with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
+        for a, b in row_chunks(x, weight, needs):
+            out[a:b] = rows.statistics(_logits(x[a:b], weight, bias), target[a:b])[0]
+    return out
+
+
+class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.Function):
+    """``apply(x, weight, bias, target, temperature, softcap, logit_scale, outputs, ignore_index,
+    accum_fp32)`` -> ``(logp, entropy, log_sum_sq_probs, mean_logits, is_top1)``.
+
+    Per row, at ``s = softcap(z * logit_scale) / temperature`` (``softcap(u) = c tanh(u / c)``,
+    none when ``softcap`` is None) of the logits ``z = x W^T + b``, ``p = softmax(s)``::
+
+        logp             = s_y - logsumexp(s)        differentiable
+        entropy          = -sum_v p_v log p_v        differentiable
+        log_sum_sq_probs = log sum_v p_v^2           no gradient
+        mean_logits      = sum_v s_v / V             no gradient
+        is_top1          = y is the first argmax of s (bool; a tie with an earlier token is False)
+
+    float32 (is_top1 bool), ``x``'s leading shape, each optional one only when named in
+    ``outputs`` (None otherwise), all 0 (False) where ``y == ignore_index``. With upstream
+    gradients ``g`` of ``logp`` and ``h`` of the entropy, ``dL/ds = g (onehot(y) - p) - h p (log p
+    + H)`` and ``dL/dz = dL/ds * ds/dz`` (``ds/dz = logit_scale sech^2(z logit_scale / c) /
+    temperature``): the engine recomputes each chunk's logits in backward and writes this in place,
+    an entropy that gets no gradient costing nothing there. ``accum_fp32`` accumulates dW over the
+    chunks in float32 (returned in the weight's dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, temperature=1.0, softcap=None, logit_scale=1.0, outputs=("entropy",),
+                ignore_index=-100, accum_fp32=False):
+        outputs = check_token_statistics(outputs)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        rows = token_statistics_rows(ignore_index, temperature, softcap, logit_scale, outputs)
+        target_check = _check(x, weight, bias, target, temperature, ignore_index)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        t1 = target.reshape(-1)
+        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
+        out = token_statistics_forward(x2, weight, bias, t1, rows, needs)
+        target_check.wait()
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x2, weight, bias, t1)
+        ctx.options = (ignore_index, temperature, softcap, logit_scale, bool(accum_fp32))
+        ctx.x_shape = x.shape
+        lead = tuple(x.shape[:-1])
+        ignored = (t1 == ignore_index).reshape(lead)
+        results = dict(zip(("logprobs",) + outputs, out.unbind(1)))
+        for name in ("log_sum_sq_probs", "mean_logits"):
+            if name in results:  # the statistics kernel does not zero these on ignored rows
+                results[name] = results[name].reshape(lead).masked_fill(ignored, 0.0)
+        if "is_top1" in results:
+            results["is_top1"] = (results["is_top1"].reshape(lead) > 0) & ~ignored
+        values = tuple(results[name].reshape(lead) if name in results else None
+                       for name in ("logprobs",) + TOKEN_STATISTICS)
+        ctx.mark_non_differentiable(*(v for v in values[2:] if v is not None))
+        return values
+
+    @staticmethod
+    @strictly_once_differentiable
+    def backward(ctx, grad_logp, grad_entropy, *_):
+        x2, weight, bias, t1 = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return _TOKEN_STATISTICS_GRADS()
+        ignore_index, temperature, softcap, logit_scale, accum_fp32 = ctx.options
+        with_entropy = grad_entropy is not None
+        grad_out = torch.zeros((x2.shape[0], 1 + with_entropy), device=x2.device, dtype=torch.float32)
+        if grad_logp is not None:
+            grad_out[:, 0] = grad_logp.reshape(-1)
+        if with_entropy:
+            grad_out[:, 1] = grad_entropy.reshape(-1)
+        rows = token_statistics_rows(ignore_index, temperature, softcap, logit_scale,
+                                     ("entropy",) if with_entropy else ())
+
+        def group_fn(q, q_ref, upstream):
+            return (q[:, 0, :] * upstream).sum(), ()
+
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, rows, group_fn,
+                                                  token_args=(t1.unsqueeze(1),), group_args=(grad_out,),
+                                                  needs=needs, accum_fp32=accum_fp32)
+        grad_x = grads.x.view(ctx.x_shape) if grads.x is not None else None
+        return _TOKEN_STATISTICS_GRADS(x=grad_x, weight=grads.weight, bias=grads.bias)
+
+
+_TOKEN_STATISTICS_GRADS = InputGradients(LigerFusedLinearTokenStatisticsFunction.forward)
+
+
+def fused_linear_token_statistics(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                  bias: torch.Tensor | None = None, *, temperature: float = 1.0,
+                                  softcap: float | None = None, logit_scale: float = 1.0,
+                                  outputs: tuple[str, ...] = ("entropy",), ignore_index: int = -100,
+                                  accum_dtype: torch.dtype | None = None) -> TokenStatistics:
+    """Per-token ``logprobs`` and the ``outputs`` asked for (:data:`TOKEN_STATISTICS`) of ``x``
+    (..., D) through the head ``(weight (V, D), bias (V,))`` at
+    ``s = softcap(z * logit_scale) / temperature``; see
+    :class:`LigerFusedLinearTokenStatisticsFunction` for the math.
+
+    ``accum_dtype``: None accumulates dW over chunks in the weight's dtype, ``torch.float32`` in
+    float32. Under ``torch.autocast`` the head runs in the autocast dtype (as ``F.linear``).
+    """
+    if accum_dtype not in (None, torch.float32):
+        raise ValueError(f"accum_dtype must be None (the weight's dtype) or torch.float32, got {accum_dtype!r}")
+    outputs = check_token_statistics(outputs)
+    x, weight, bias = autocast_operands(x, weight, bias)
+    return TokenStatistics(*LigerFusedLinearTokenStatisticsFunction.apply(
+        x, weight, bias, target, temperature, softcap, logit_scale, outputs, ignore_index,
+        accum_dtype == torch.float32))
