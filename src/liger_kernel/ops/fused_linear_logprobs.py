@@ -40,6 +40,7 @@ first argmax; float32 accumulation of dW optional. Same passes and costs as abov
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -258,12 +259,13 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
     + H)`` and ``dL/dz = dL/ds * ds/dz`` (``ds/dz = logit_scale sech^2(z logit_scale / c) /
     temperature``): the engine recomputes each chunk's logits in backward and writes this in place,
     an entropy that gets no gradient costing nothing there. ``accum_fp32`` accumulates dW over the
-    chunks in float32 (returned in the weight's dtype).
+    chunks in float32 (returned in the weight's dtype). ``backward_context``: a callable returning
+    a context manager the backward runs in (e.g. one that gathers a sharded head again), or None.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, temperature=1.0, softcap=None, logit_scale=1.0, outputs=("entropy",),
-                ignore_index=-100, accum_fp32=False):
+                ignore_index=-100, accum_fp32=False, backward_context=None):
         outputs = check_token_statistics(outputs)
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
@@ -277,6 +279,7 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x2, weight, bias, t1)
         ctx.options = (ignore_index, temperature, softcap, logit_scale, bool(accum_fp32))
+        ctx.backward_context = backward_context if backward_context is not None else contextlib.nullcontext
         ctx.x_shape = x.shape
         lead = tuple(x.shape[:-1])
         ignored = (t1 == ignore_index).reshape(lead)
@@ -311,9 +314,10 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
             return (q[:, 0, :] * upstream).sum(), ()
 
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, rows, group_fn,
-                                                  token_args=(t1.unsqueeze(1),), group_args=(grad_out,),
-                                                  needs=needs, accum_fp32=accum_fp32)
+        with ctx.backward_context():
+            _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, rows, group_fn,
+                                                      token_args=(t1.unsqueeze(1),), group_args=(grad_out,),
+                                                      needs=needs, accum_fp32=accum_fp32)
         grad_x = grads.x.view(ctx.x_shape) if grads.x is not None else None
         return _TOKEN_STATISTICS_GRADS(x=grad_x, weight=grads.weight, bias=grads.bias)
 
