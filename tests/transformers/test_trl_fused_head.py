@@ -194,7 +194,7 @@ def test_older_trl_is_refused_clearly():
     assert trl_attribute("trl.trainer.utils", "_ChunkedLogProbFunction") is before
 
 
-def test_undo_refuses_when_replaced_again(monkeypatch):
+def test_undo_refuses_when_replaced_again():
     class Module:
         __name__ = "fake.module"
         _ChunkedLogProbFunction = LigerChunkedLogProbFunction
@@ -205,7 +205,7 @@ def test_undo_refuses_when_replaced_again(monkeypatch):
         handle.undo()
 
 
-def fused_head_step(model, batch, outputs, entropy_weight):
+def fused_head_step(model, batch, entropy_weight):
     """Per-token outputs of TRL's fused forward and the parameter gradients of a policy-style loss."""
     model.zero_grad(set_to_none=True)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
@@ -235,10 +235,10 @@ def test_tiny_llama_add_fused_lm_head_matches_trl(trl_utils, monkeypatch, overri
     model.train()
     batch = random_batch(model.config.vocab_size, batch=2, seq=12, seed=3)
     entropy_weight = torch.randn(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1, device=DEVICE)
-    theirs, their_grads = fused_head_step(model, batch, outputs, entropy_weight)
+    theirs, their_grads = fused_head_step(model, batch, entropy_weight)
     assert not calls
     with use_liger_fused_head():
-        ours, our_grads = fused_head_step(model, batch, outputs, entropy_weight)
+        ours, our_grads = fused_head_step(model, batch, entropy_weight)
     assert calls == [9]  # TRL 1.16's positional call shape
     assert trl_utils._ChunkedLogProbFunction is not LigerChunkedLogProbFunction
     for name, trl_value in theirs.items():

@@ -43,6 +43,9 @@ _EXPORTS = {
     "PatchOptions": "monkey_patch",
     "PatchReport": "monkey_patch",
     "AutoLigerKernelForCausalLM": "auto_model",
+    # TRL >= 1.13's fused LM head (needs trl only when installed)
+    "use_liger_fused_head": "trl_fused_head",
+    "LigerChunkedLogProbFunction": "trl_fused_head",
 }
 
 __all__ = [*_EXPORTS, *_WRITTEN]
