@@ -13,6 +13,7 @@ import torch
 
 from liger_kernel.ops.fused_linear_logprobs import fused_linear_token_statistics
 from liger_kernel.transformers.trl_fused_head import (
+    LigerChunkedDivergenceFunction,
     LigerChunkedLogProbFunction,
     LigerFusedHeadInstallation,
     use_liger_fused_head,
@@ -165,17 +166,49 @@ def test_matches_trls_own_function(trl_function, dtype, temperature, softcap, lo
         assert_grad_close(mine, trl_grad.double(), dtype, name, tol_scale=10 if dtype == torch.float32 else 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta, with_bias, student_cap, teacher_cap", [(0.0, True, None, 5.0), (0.3, False, 4.0, None),
+                                                                      (1.0, True, None, None)])
+def test_divergence_matches_trls_own_function(dtype, beta, with_bias, student_cap, teacher_cap):
+    trl_divergence = trl_attribute("trl.kernels.chunked_divergence", "ChunkedDivergenceFunction")
+    if trl_divergence is None:
+        pytest.skip("no TRL >= 1.13 importable (trl.kernels.chunked_divergence); the project pins TRL < 1.13")
+    x_s, w_s, b_s, _ = random_head(17, 16, 43, with_bias, dtype)
+    x_t, w_t, b_t, _ = random_head(17, 24, 43, with_bias, dtype)
+    g = torch.randn(17, device=DEVICE)
+    results = []
+    for function in (LigerChunkedDivergenceFunction, trl_divergence):
+        leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x_s, w_s, b_s)]
+        divergence, entropy = function.apply(*leaves, x_t, w_t, b_t, beta, 0.8, 1.3, student_cap, 0.7, teacher_cap)
+        assert not entropy.requires_grad
+        (divergence * g).sum().backward()
+        results.append((divergence, entropy, *(t.grad for t in leaves if t is not None)))
+    # bf16: TRL keeps the logits in float32, the engine rounds them to the GEMM's dtype.
+    atol = 1e-5 if dtype == torch.float32 else 5e-2
+    for ours, theirs in zip(results[0][:2], results[1][:2]):
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=atol)
+    for name, ours, theirs in zip(("hidden", "weight", "bias"), results[0][2:], results[1][2:]):
+        assert ours.dtype == theirs.dtype == dtype
+        assert_grad_close(ours, theirs.double(), dtype, name, tol_scale=10 if dtype == torch.float32 else 3)
+
+
 def test_install_and_undo(trl_utils):
     original = trl_utils._ChunkedLogProbFunction
+    distillation = importlib.import_module("trl.trainer.distillation_trainer")
+    original_divergence = distillation.ChunkedDivergenceFunction
     handle = use_liger_fused_head()
     try:
         assert trl_utils._ChunkedLogProbFunction is LigerChunkedLogProbFunction and handle.active
+        assert distillation.ChunkedDivergenceFunction is LigerChunkedDivergenceFunction
+        assert handle.names == ["trl.trainer.utils._ChunkedLogProbFunction",
+                                "trl.trainer.distillation_trainer.ChunkedDivergenceFunction"]
         with use_liger_fused_head() as nested:  # a second installation undoes to the first
             assert trl_utils._ChunkedLogProbFunction is LigerChunkedLogProbFunction
         assert not nested.active and trl_utils._ChunkedLogProbFunction is LigerChunkedLogProbFunction
     finally:
         handle.undo()
     assert trl_utils._ChunkedLogProbFunction is original and not handle.active
+    assert distillation.ChunkedDivergenceFunction is original_divergence
     handle.undo()  # a second undo does nothing
     assert trl_utils._ChunkedLogProbFunction is original
 
@@ -199,7 +232,7 @@ def test_undo_refuses_when_replaced_again():
         __name__ = "fake.module"
         _ChunkedLogProbFunction = LigerChunkedLogProbFunction
 
-    handle = LigerFusedHeadInstallation([(Module, "_ChunkedLogProbFunction", object)])
+    handle = LigerFusedHeadInstallation([(Module, "_ChunkedLogProbFunction", object, LigerChunkedLogProbFunction)])
     Module._ChunkedLogProbFunction = None
     with pytest.raises(RuntimeError, match="replaced again"):
         handle.undo()

@@ -19,6 +19,7 @@ _EXPORTS = {
     "LigerFusedLinearLogProbsFunction": "fused_linear_logprobs",
     "LigerFusedLinearScaledCrossEntropyFunction": "fused_linear_logprobs",
     "LigerFusedLinearTokenStatisticsFunction": "fused_linear_logprobs",
+    "LigerFusedLinearTokenDivergenceFunction": "fused_linear_token_divergence",
 }
 
 __all__ = list(_EXPORTS)

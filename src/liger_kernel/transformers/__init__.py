@@ -46,6 +46,7 @@ _EXPORTS = {
     # TRL >= 1.13's fused LM head (needs trl only when installed)
     "use_liger_fused_head": "trl_fused_head",
     "LigerChunkedLogProbFunction": "trl_fused_head",
+    "LigerChunkedDivergenceFunction": "trl_fused_head",
 }
 
 __all__ = [*_EXPORTS, *_WRITTEN]

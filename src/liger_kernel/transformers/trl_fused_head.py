@@ -18,7 +18,10 @@ forward, whichever trainer runs it, goes through
         trainer.train()
 
 The name is looked up at each forward, so installing before or after the trainer is built both
-work, and undoing restores TRL's own function.
+work, and undoing restores TRL's own function. The same goes for the distillation trainer's
+``ChunkedDivergenceFunction`` (``trl.trainer.distillation_trainer``), replaced by
+:class:`LigerChunkedDivergenceFunction` (per-token divergence and student entropy,
+:mod:`liger_kernel.ops.fused_linear_token_divergence`).
 
 The semantics are TRL's: at ``s = softcap(z * logit_scale) / temperature`` of the logits
 ``z = hidden W^T + b`` (``softcap(u) = c tanh(u / c)``, ``c = final_logit_softcapping``),
@@ -59,21 +62,30 @@ from liger_kernel.ops.fused_linear_logprobs import (
     LigerFusedLinearTokenStatisticsFunction,
     check_token_statistics,
 )
+from liger_kernel.ops.fused_linear_token_divergence import LigerFusedLinearTokenDivergenceFunction
 
 # TRL's name for the log-probabilities among ``outputs`` (always computed).
 LOG_PROBS = "log_probs"
-# Where TRL's trainers look the function up, at each fused-head forward.
-TRL_FUSED_HEAD_NAMES = (("trl.trainer.utils", "_ChunkedLogProbFunction"),)
 # A target TRL's callers use for "not scored"; never passed by ``add_fused_lm_head``.
 IGNORE_INDEX = -100
 
 
-def _gather_head_context(weight: torch.Tensor, bias: torch.Tensor | None):
-    """TRL's ZeRO-3 gather of the head for a recomputing backward, or a null context where TRL's
+def _gather_head_context(*params: torch.Tensor | None):
+    """TRL's ZeRO-3 gather of the heads for a recomputing backward, or a null context where TRL's
     trainer utilities are not loaded."""
     trl_utils = sys.modules.get("trl.trainer.utils")
     gather = getattr(trl_utils, "maybe_gather_lm_head_ctx", None)
-    return functools.partial(gather, weight, bias) if gather is not None else nullcontext
+    return functools.partial(gather, *params) if gather is not None else nullcontext
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """TRL's: the autocast dtype where autocast is on for the device, else the hidden states'."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+
+
+def _cast(dtype: torch.dtype, *tensors: torch.Tensor | None) -> tuple:
+    return tuple(t.to(dtype) if t is not None else None for t in tensors)
 
 
 def _import_or_none(module_name: str):
@@ -106,35 +118,74 @@ class LigerChunkedLogProbFunction:
         if isinstance(outputs, str):
             raise TypeError(f"outputs must be a tuple of names, got {outputs!r}")
         statistics = check_token_statistics(tuple(name for name in outputs if name != LOG_PROBS))
-        device_type = hidden.device.type
-        compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-            else hidden.dtype
         head_context = _gather_head_context(weight, bias)
-        hidden, weight, bias = (t.to(compute_dtype) if t is not None else None for t in (hidden, weight, bias))
+        hidden, weight, bias = _cast(_compute_dtype(hidden), hidden, weight, bias)
         return LigerFusedLinearTokenStatisticsFunction.apply(
             hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale, statistics,
             IGNORE_INDEX, True, head_context)
+
+
+class LigerChunkedDivergenceFunction:
+    """TRL 1.16's ``ChunkedDivergenceFunction`` call shape over liger_kernel's head engine.
+
+    ``apply(student_hidden (N, H_s), student_weight (V, H_s), student_bias, teacher_hidden (N, H_t),
+    teacher_weight (V, H_t), teacher_bias, beta, temperature=1.0, student_logit_scale=1.0,
+    student_final_logit_softcapping=None, teacher_logit_scale=1.0,
+    teacher_final_logit_softcapping=None)`` -> ``(divergence, entropy)``, each (N,) float32:
+    beta 0 the forward KL(teacher || student), 1 the reverse KL, between the generalised JSD with
+    the mixture ``(1 - beta) P + beta Q``; the student's entropy (no gradient); the gradient flows
+    to the student only (:mod:`liger_kernel.ops.fused_linear_token_divergence`). Each head runs
+    in the autocast dtype where autocast is on, else in its hidden states' dtype, as TRL's.
+    Deviation: TRL projects both heads with float32 output; here the logits are rounded to the
+    GEMM's dtype (as the model's ``lm_head`` would), which differs for bf16 heads.
+    """
+
+    @staticmethod
+    def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+              temperature=1.0, student_logit_scale=1.0, student_final_logit_softcapping=None, teacher_logit_scale=1.0,
+              teacher_final_logit_softcapping=None):
+        head_context = _gather_head_context(student_weight, student_bias, teacher_weight, teacher_bias)
+        student = _cast(_compute_dtype(student_hidden), student_hidden, student_weight, student_bias)
+        teacher = _cast(_compute_dtype(teacher_hidden), teacher_hidden, teacher_weight, teacher_bias)
+        return LigerFusedLinearTokenDivergenceFunction.apply(
+            *student, *teacher, beta, temperature, student_logit_scale, student_final_logit_softcapping,
+            teacher_logit_scale, teacher_final_logit_softcapping, head_context)
+
+
+# Where TRL's trainers look the functions up at each call: (module, name, TRL's own function's
+# module and name, ours).
+TRL_FUSED_HEAD_NAMES = (
+    ("trl.trainer.utils", "_ChunkedLogProbFunction", "trl.kernels.chunked_logprob", "ChunkedLogProbFunction",
+     LigerChunkedLogProbFunction),
+    ("trl.trainer.distillation_trainer", "ChunkedDivergenceFunction", "trl.kernels.chunked_divergence",
+     "ChunkedDivergenceFunction", LigerChunkedDivergenceFunction),
+)
 
 
 class LigerFusedHeadInstallation:
     """What :func:`use_liger_fused_head` replaced; :meth:`undo` (or leaving the ``with`` block)
     puts TRL's functions back."""
 
-    def __init__(self, replaced: list[tuple[object, str, object]]):
+    def __init__(self, replaced: list[tuple[object, str, object, object]]):
         self._replaced = replaced
 
     @property
     def active(self) -> bool:
         return bool(self._replaced)
 
+    @property
+    def names(self) -> list[str]:
+        """The ``module.name`` entries now pointing at liger_kernel's functions."""
+        return [f"{module.__name__}.{name}" for module, name, _, _ in self._replaced]
+
     def undo(self) -> None:
         """Restore what was there before; a no-op when already undone. Raises ``RuntimeError``
         when the name was replaced again since (undo the later installation first)."""
-        for module, name, _ in self._replaced:
-            if getattr(module, name) is not LigerChunkedLogProbFunction:
+        for module, name, _, ours in self._replaced:
+            if getattr(module, name) is not ours:
                 raise RuntimeError(f"{module.__name__}.{name} was replaced again after use_liger_fused_head(); "
                                    "undo that replacement first")
-        for module, name, previous in reversed(self._replaced):
+        for module, name, previous, _ in reversed(self._replaced):
             setattr(module, name, previous)
         self._replaced = []
 
@@ -149,8 +200,9 @@ def use_liger_fused_head() -> LigerFusedHeadInstallation:
     """Make TRL's fused LM head (``add_fused_lm_head``) compute with liger_kernel's engine.
 
     Replaces the module-level names TRL's trainers call (:data:`TRL_FUSED_HEAD_NAMES`) with
-    :class:`LigerChunkedLogProbFunction` and returns a handle that undoes it (also a context
-    manager). Raises ``ImportError`` without TRL and ``RuntimeError`` with a TRL that has no
+    :class:`LigerChunkedLogProbFunction` and, where the distillation trainer imports,
+    :class:`LigerChunkedDivergenceFunction`; returns a handle that undoes it (also a context
+    manager; ``handle.names`` lists what was replaced). Raises ``ImportError`` without TRL and ``RuntimeError`` with a TRL that has no
     fused head (before 1.13: there ``use_liger_kernel=True`` reaches liger_kernel's chunked
     losses instead).
     """
@@ -158,8 +210,7 @@ def use_liger_fused_head() -> LigerFusedHeadInstallation:
         trl = importlib.import_module("trl")
     except ImportError as error:
         raise ImportError("use_liger_fused_head() needs TRL >= 1.13 (pip install 'trl>=1.13')") from error
-    trl_function = getattr(_import_or_none("trl.kernels"), "ChunkedLogProbFunction", None)
-    if trl_function is None:
+    if getattr(_import_or_none("trl.kernels.chunked_logprob"), "ChunkedLogProbFunction", None) is None:
         # TRL 1.12's trainer utilities hold a `_ChunkedLogProbFunction` of another call shape (no
         # bias, two outputs): the kernels module is what marks the fused head of 1.13 and later.
         raise RuntimeError(
@@ -167,13 +218,19 @@ def use_liger_fused_head() -> LigerFusedHeadInstallation:
             "came with TRL 1.13). With an older TRL, liger_kernel is reached through use_liger_kernel=True and "
             "its chunked losses instead")
     replaced = []
-    for module_name, name in TRL_FUSED_HEAD_NAMES:
-        module = importlib.import_module(module_name)
+    for module_name, name, trl_module_name, trl_name, ours in TRL_FUSED_HEAD_NAMES:
+        trl_function = getattr(_import_or_none(trl_module_name), trl_name, None)
+        # The distillation trainer is replaced where this TRL has it and it imports (its own
+        # optional dependencies may be missing); `names` on the handle says what was replaced.
+        module = importlib.import_module(module_name) if module_name == "trl.trainer.utils" \
+            else _import_or_none(module_name)
+        if module is None or trl_function is None:
+            continue
         current = getattr(module, name, None)
-        if current is not trl_function and current is not LigerChunkedLogProbFunction:
-            raise RuntimeError(f"{module_name}.{name} is {current!r}, neither TRL's ChunkedLogProbFunction nor "
-                               "liger_kernel's; this TRL's fused head is not the one use_liger_fused_head() knows")
-        replaced.append((module, name, current))
-    for module, name, _ in replaced:
-        setattr(module, name, LigerChunkedLogProbFunction)
+        if current is not trl_function and current is not ours:
+            raise RuntimeError(f"{module_name}.{name} is {current!r}, neither TRL's {trl_name} nor liger_kernel's; "
+                               "this TRL is not one use_liger_fused_head() knows")
+        replaced.append((module, name, current, ours))
+    for module, name, _, ours in replaced:
+        setattr(module, name, ours)
     return LigerFusedHeadInstallation(replaced)

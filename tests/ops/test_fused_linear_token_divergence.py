@@ -1,0 +1,99 @@
+"""Per-token student-teacher divergence and student entropy through two fused heads, against float64 autograd.
+
+Forward KL, reverse KL and the generalised JSD; soft-caps and logit scales on either side,
+temperature, biases, heads of different widths, odd shapes, fp32 and bf16, chunk boundaries.
+"""
+
+import pytest
+import torch
+
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig
+from liger_kernel.ops.config import override_launch_config
+from liger_kernel.ops.fused_linear_token_divergence import LigerFusedLinearTokenDivergenceFunction
+from tests.ops.test_cross_entropy import assert_grad_close
+from tests.utils import DEVICE
+
+
+def transformed(z, scale, softcap, temperature):
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def reference(z_s, z_t, beta, temperature, student, teacher):
+    """float64 ``(d, H)`` per row, written from the definitions (no log-space mixture tricks)."""
+    p = torch.softmax(transformed(z_s, *student, temperature), -1)
+    q = torch.softmax(transformed(z_t, *teacher, temperature), -1)
+
+    def kl(a, b):
+        return (a * (a.log() - b.log())).sum(-1)
+
+    if beta == 0.0:
+        d = kl(q, p)
+    elif beta == 1.0:
+        d = kl(p, q)
+    else:
+        m = (1 - beta) * p + beta * q
+        d = beta * kl(q, m) + (1 - beta) * kl(p, m)
+    return d, -(p * p.log()).sum(-1)
+
+
+def head(n, hidden, vocab, with_bias, dtype):
+    x = torch.randn(n, hidden, device=DEVICE).to(dtype)
+    weight = (torch.randn(vocab, hidden, device=DEVICE) * 2 / hidden**0.5).to(dtype)
+    bias = torch.randn(vocab, device=DEVICE).to(dtype) if with_bias else None
+    return x, weight, bias
+
+
+def logits64(x, weight, bias, dtype):
+    """float64 logits of the float64 leaves, rounded to ``dtype`` as the engine's GEMM output is."""
+    z = x @ weight.t() + (bias if bias is not None else 0)
+    return z if dtype == torch.float32 else z + (z.detach().to(dtype).double() - z.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, d_s, d_t, vocab, beta, temperature, student, teacher, with_bias, chunk_rows", [
+    (13, 16, 24, 37, 0.0, 0.8, (1.3, 5.0), (0.7, None), True, None),
+    (9, 8, 8, 53, 1.0, 1.0, (1.0, None), (1.0, 3.0), False, 4),
+    (7, 32, 16, 29, 0.5, 1.7, (0.6, 4.0), (1.0, 4.0), True, 3),
+    (1, 16, 8, 2, 0.1, 1.0, (1.0, None), (1.0, None), False, None),
+])
+def test_matches_float64(dtype, n, d_s, d_t, vocab, beta, temperature, student, teacher, with_bias, chunk_rows):
+    x_s, w_s, b_s = head(n, d_s, vocab, with_bias, dtype)
+    x_t, w_t, b_t = head(n, d_t, vocab, with_bias, dtype)
+    g = torch.randn(n, device=DEVICE)
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x_s, w_s, b_s)]
+    override = {} if chunk_rows is None else {"chunk_rows": chunk_rows}
+    with override_launch_config(ChunkedHeadConfig, **override):
+        d, entropy = LigerFusedLinearTokenDivergenceFunction.apply(*leaves, x_t, w_t, b_t, beta, temperature,
+                                                                   *student, *teacher)
+        assert d.dtype == entropy.dtype == torch.float32 and d.shape == entropy.shape == (n,)
+        assert d.requires_grad and not entropy.requires_grad
+        (d * g).sum().backward()
+    ref_leaves = [t.double().requires_grad_() if t is not None else None for t in (x_s, w_s, b_s)]
+    z_s = logits64(*ref_leaves, dtype)
+    z_t = logits64(x_t.double(), w_t.double(), b_t.double() if with_bias else None, dtype)
+    d_ref, h_ref = reference(z_s, z_t, beta, temperature, student, teacher)
+    expected = torch.autograd.grad((d_ref * g).sum(), [t for t in ref_leaves if t is not None])
+    torch.testing.assert_close(d.double(), d_ref.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(entropy.double(), h_ref.detach(), atol=2e-5, rtol=2e-5)
+    for name, leaf, reference_grad in zip(("x", "weight", "bias"), [t for t in leaves if t is not None], expected):
+        assert leaf.grad.dtype == dtype, name
+        # bf16: the logit gradient and each GEMM output are rounded once to bf16.
+        assert_grad_close(leaf.grad, reference_grad, dtype, name, tol_scale=10 if dtype == torch.float32 else 2)
+
+
+def test_bad_arguments_raise():
+    x, w, _ = head(4, 8, 7, False, torch.float32)
+    args = (x, w, None, x, w, None)
+    with pytest.raises(ValueError, match="beta"):
+        LigerFusedLinearTokenDivergenceFunction.apply(*args, 1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        LigerFusedLinearTokenDivergenceFunction.apply(*args, 0.5, 0.0)
+    with pytest.raises(ValueError, match="student_final_logit_softcapping"):
+        LigerFusedLinearTokenDivergenceFunction.apply(*args, 0.5, 1.0, 1.0, -2.0)
+    with pytest.raises(ValueError, match="vocabularies"):
+        LigerFusedLinearTokenDivergenceFunction.apply(x, w, None, x, torch.randn(9, 8, device=DEVICE), None, 0.5)
+    with pytest.raises(ValueError, match="same rows"):
+        LigerFusedLinearTokenDivergenceFunction.apply(x, w, None, x[:3], w, None, 0.5)
