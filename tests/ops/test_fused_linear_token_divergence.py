@@ -97,3 +97,33 @@ def test_bad_arguments_raise():
         LigerFusedLinearTokenDivergenceFunction.apply(x, w, None, x, torch.randn(9, 8, device=DEVICE), None, 0.5)
     with pytest.raises(ValueError, match="same rows"):
         LigerFusedLinearTokenDivergenceFunction.apply(x, w, None, x[:3], w, None, 0.5)
+
+
+def test_backward_runs_in_the_given_context():
+    """The context a caller passes (e.g. one gathering sharded heads again) wraps the backward's
+    recomputation, and only that; the token-statistics Function takes the same argument."""
+    import contextlib
+
+    from liger_kernel.ops.fused_linear_logprobs import LigerFusedLinearTokenStatisticsFunction
+
+    events = []
+
+    @contextlib.contextmanager
+    def context():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    x, w, _ = head(5, 8, 11, False, torch.float32)
+    x.requires_grad_()
+    d, _ = LigerFusedLinearTokenDivergenceFunction.apply(x, w, None, x.detach(), w, None, 0.5, 1.0, 1.0, None, 1.0,
+                                                         None, context)
+    assert events == []
+    d.sum().backward()
+    assert events == ["enter", "exit"]
+    target = torch.randint(0, 11, (5,), device=DEVICE)
+    logp = LigerFusedLinearTokenStatisticsFunction.apply(x, w, None, target, 1.0, None, 1.0, (), -100, False,
+                                                         context)[0]
+    assert events == ["enter", "exit"]
+    logp.sum().backward()
+    assert events == ["enter", "exit"] * 2

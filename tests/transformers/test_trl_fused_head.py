@@ -285,3 +285,43 @@ def test_tiny_llama_add_fused_lm_head_matches_trl(trl_utils, monkeypatch, overri
     assert our_grads.keys() == their_grads.keys()
     for name, trl_grad in their_grads.items():
         assert_grad_close(our_grads[name], trl_grad.double(), torch.float32, name, tol_scale=10)
+
+
+@pytest.mark.parametrize("beta, overrides", [(0.5, {}), (0.0, {"final_logit_softcapping": 4.0, "logit_scale": 0.7})])
+def test_tiny_llama_distillation_loss_matches_trl(trl_utils, monkeypatch, beta, overrides):
+    """TRL's distillation loss (``_chunked_divergence_loss``) between tiny random Llamas of different
+    widths: loss, entropy and every student gradient with liger_kernel's divergence installed equal
+    those of TRL's own kernel."""
+    distillation = importlib.import_module("trl.trainer.distillation_trainer")
+    student = build_model("llama", **overrides)
+    teacher = build_model("llama", seed=1, hidden=48)
+    batch = random_batch(student.config.vocab_size, batch=2, seq=10, seed=5)
+    with torch.no_grad():
+        teacher_hidden = teacher.model(input_ids=batch["input_ids"]).last_hidden_state
+    cap, scale = overrides.get("final_logit_softcapping"), overrides.get("logit_scale", 1.0)
+
+    def step():
+        student.zero_grad(set_to_none=True)
+        hidden = student.model(input_ids=batch["input_ids"]).last_hidden_state
+        loss, entropy_sum, n_valid = distillation._chunked_divergence_loss(
+            hidden, teacher_hidden, student.lm_head.weight, teacher.lm_head.weight, batch["attention_mask"], beta,
+            student_logit_scale=scale, student_final_logit_softcapping=cap, temperature=0.9)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+        return (loss.detach(), entropy_sum.detach(), n_valid), grads
+
+    calls = []
+    ours_apply = LigerChunkedDivergenceFunction.apply
+    monkeypatch.setattr(LigerChunkedDivergenceFunction, "apply",
+                        staticmethod(lambda *args: calls.append(len(args)) or ours_apply(*args)))
+    theirs, their_grads = step()
+    assert not calls
+    with use_liger_fused_head() as handle:
+        assert "trl.trainer.distillation_trainer.ChunkedDivergenceFunction" in handle.names
+        ours, our_grads = step()
+    assert calls == [12]  # TRL 1.16's positional call shape
+    for mine, trl_value in zip(ours, theirs):
+        torch.testing.assert_close(mine, trl_value, atol=1e-5, rtol=1e-5)
+    assert our_grads.keys() == their_grads.keys()
+    for name, trl_grad in their_grads.items():
+        assert_grad_close(our_grads[name], trl_grad.double(), torch.float32, name, tol_scale=10)
