@@ -325,3 +325,15 @@ def test_tiny_llama_distillation_loss_matches_trl(trl_utils, monkeypatch, beta, 
     assert our_grads.keys() == their_grads.keys()
     for name, trl_grad in their_grads.items():
         assert_grad_close(our_grads[name], trl_grad.double(), torch.float32, name, tol_scale=10)
+
+
+def test_an_empty_batch_stays_connected():
+    """TRL scores only labelled positions, so a microbatch with none passes 0 rows: outputs (0,),
+    zero gradients, as TRL's."""
+    x, weight, bias, target = random_head(0, 8, 11, True)
+    g = torch.zeros(0, device=DEVICE)
+    outputs, grads = run(LigerChunkedLogProbFunction, x, weight, bias, target, g, g, 1.0, 4096)
+    assert all(value.shape == (0,) for value in outputs)
+    assert grads[0].shape == (0, 8) and not grads[1].any() and not grads[2].any()
+    divergence, entropy = LigerChunkedDivergenceFunction.apply(x.requires_grad_(), weight, bias, x, weight, bias, 0.5)
+    assert divergence.shape == entropy.shape == (0,)
