@@ -7,6 +7,7 @@ put on the path, e.g. ``PYTHONPATH=src:<unzipped TRL 1.16 wheel>``).
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -228,12 +229,10 @@ def test_older_trl_is_refused_clearly():
 
 
 def test_undo_refuses_when_replaced_again():
-    class Module:
-        __name__ = "fake.module"
-        _ChunkedLogProbFunction = LigerChunkedLogProbFunction
-
-    handle = LigerFusedHeadInstallation([(Module, "_ChunkedLogProbFunction", object, LigerChunkedLogProbFunction)])
-    Module._ChunkedLogProbFunction = None
+    module = types.ModuleType("fake.module")
+    module._ChunkedLogProbFunction = LigerChunkedLogProbFunction
+    handle = LigerFusedHeadInstallation([(module, "_ChunkedLogProbFunction", object, LigerChunkedLogProbFunction)])
+    module._ChunkedLogProbFunction = None
     with pytest.raises(RuntimeError, match="replaced again"):
         handle.undo()
 

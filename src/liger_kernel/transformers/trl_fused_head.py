@@ -54,6 +54,8 @@ import functools
 import importlib
 import sys
 from contextlib import nullcontext
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -166,7 +168,7 @@ class LigerFusedHeadInstallation:
     """What :func:`use_liger_fused_head` replaced; :meth:`undo` (or leaving the ``with`` block)
     puts TRL's functions back."""
 
-    def __init__(self, replaced: list[tuple[object, str, object, object]]):
+    def __init__(self, replaced: list[tuple[ModuleType, str, Any, Any]]):
         self._replaced = replaced
 
     @property
@@ -217,7 +219,7 @@ def use_liger_fused_head() -> LigerFusedHeadInstallation:
             f"TRL {getattr(trl, '__version__', '?')} has no fused LM head (trl.kernels.ChunkedLogProbFunction "
             "came with TRL 1.13). With an older TRL, liger_kernel is reached through use_liger_kernel=True and "
             "its chunked losses instead")
-    replaced = []
+    replaced: list[tuple[ModuleType, str, Any, Any]] = []
     for module_name, name, trl_module_name, trl_name, ours in TRL_FUSED_HEAD_NAMES:
         trl_function = getattr(_import_or_none(trl_module_name), trl_name, None)
         # The distillation trainer is replaced where this TRL has it and it imports (its own
