@@ -249,21 +249,23 @@ def fused_head_step(model, batch, entropy_weight):
     return values, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("overrides, temperature, outputs", [
-    ({}, 1.0, ("log_probs",)),
-    ({"final_logit_softcapping": 4.0, "logit_scale": 0.7}, 0.8, ALL_OUTPUTS),
+@pytest.mark.parametrize("overrides, temperature, outputs, dtype", [
+    ({}, 1.0, ("log_probs",), torch.float32),
+    ({"final_logit_softcapping": 4.0, "logit_scale": 0.7}, 0.8, ALL_OUTPUTS, torch.float32),
+    ({}, 0.9, ("log_probs", "entropy"), torch.bfloat16),  # with cast_lm_head_to_fp32: a bf16 head, fp32 hidden
 ])
-def test_tiny_llama_add_fused_lm_head_matches_trl(trl_utils, monkeypatch, overrides, temperature, outputs):
+def test_tiny_llama_add_fused_lm_head_matches_trl(trl_utils, monkeypatch, overrides, temperature, outputs, dtype):
     """TRL's ``add_fused_lm_head`` on a tiny random Llama: per-token outputs and every parameter
     gradient with liger_kernel's head installed equal those of TRL's own kernel."""
-    model = build_model("llama", **overrides)
+    model = build_model("llama", dtype=dtype, **overrides)
     for name, value in overrides.items():  # read by add_fused_lm_head off the config
         assert getattr(model.config, name) == value
     calls = []
     ours_apply = LigerChunkedLogProbFunction.apply
     monkeypatch.setattr(LigerChunkedLogProbFunction, "apply",
                         staticmethod(lambda *args: calls.append(len(args)) or ours_apply(*args)))
-    trl_utils.add_fused_lm_head(model, temperature=temperature, outputs=outputs)
+    trl_utils.add_fused_lm_head(model, temperature=temperature, outputs=outputs,
+                                cast_lm_head_to_fp32=dtype != torch.float32)
     model.train()
     batch = random_batch(model.config.vocab_size, batch=2, seq=12, seed=3)
     entropy_weight = torch.randn(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1, device=DEVICE)
@@ -283,7 +285,8 @@ def test_tiny_llama_add_fused_lm_head_matches_trl(trl_utils, monkeypatch, overri
             torch.testing.assert_close(mine, trl_value, atol=1e-5, rtol=1e-5, msg=name)
     assert our_grads.keys() == their_grads.keys()
     for name, trl_grad in their_grads.items():
-        assert_grad_close(our_grads[name], trl_grad.double(), torch.float32, name, tol_scale=10)
+        # bf16: the float32 head gradients are rounded to bf16 once (and the backbone's after them).
+        assert_grad_close(our_grads[name], trl_grad.double(), dtype, name, tol_scale=10 if dtype == torch.float32 else 1)
 
 
 @pytest.mark.parametrize("beta, overrides", [(0.5, {}), (0.0, {"final_logit_softcapping": 4.0, "logit_scale": 0.7})])
