@@ -242,7 +242,7 @@ def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, 
 
 class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.Function):
     """``apply(x, weight, bias, target, temperature, softcap, logit_scale, outputs, ignore_index,
-    accum_fp32)`` -> ``(logp, entropy, log_sum_sq_probs, mean_logits, is_top1)``.
+    accum_fp32, backward_context)`` -> ``(logp, entropy, log_sum_sq_probs, mean_logits, is_top1)``.
 
     Per row, at ``s = softcap(z * logit_scale) / temperature`` (``softcap(u) = c tanh(u / c)``,
     none when ``softcap`` is None) of the logits ``z = x W^T + b``, ``p = softmax(s)``::
