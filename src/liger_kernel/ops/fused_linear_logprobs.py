@@ -49,7 +49,6 @@ from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictl
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
     ChunkedHeadConfig,
-    HeadGrads,
     _logits,
     autocast_operands,
     check_head_args,
@@ -99,104 +98,6 @@ def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = 
     return [r for (r,) in chunk_plan(n_rows, 1, False, True, rows).row_ranges]
 
 
-@torch.compiler.disable
-def logprobs_and_entropy_forward(x, weight, bias, target, temperature, ignore_index, needs=(True, True)):
-    """(N, 2) float32 ``[logp, H]`` of 2-D ``x`` (N, D), chunk by chunk, no graph.
-
-    Never traced (a graph break under ``torch.compile``): the loop switches cuBLAS's reduction
-    precision, global state Dynamo refuses to see change, so the Function runs eagerly."""
-    n_rows = x.shape[0]
-    out = torch.empty((n_rows, 2), device=x.device, dtype=torch.float32)
-    rows = log_prob_entropy_rows(temperature, ignore_index)
-    with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
-        for a, b in row_chunks(x, weight, needs):
-            out[a:b] = rows.statistics(_logits(x[a:b], weight, bias), target[a:b])[0]
-    return out
-
-
-def logprobs_and_entropy_backward(x, weight, bias, target, temperature, ignore_index, grad_out, needs) -> HeadGrads:
-    """(dx, dW, db) for upstream gradients ``grad_out`` (N, 2) of ``[logp, H]``.
-
-    They are the gradients of the scalar ``sum_n grad_out[n] . [logp_n, H_n]``, which the chunked
-    head engine computes with every row a group of its own (one pass, each chunk's logits
-    recomputed, its gradient formed in place by :func:`log_prob_entropy_rows`' closed form).
-    """
-
-    def group_fn(q, q_ref, upstream):
-        return (q[:, 0, :] * upstream).sum(), ()
-
-    _, _, grads = chunked_head_loss_and_grads(x.unsqueeze(1), weight, bias, log_prob_entropy_rows(temperature, ignore_index),
-                                              group_fn,
-                                              token_args=(target.unsqueeze(1),), group_args=(grad_out,), needs=needs)
-    if grads.x is not None:
-        grads.x = grads.x.view(x.shape)
-    return grads
-
-
-class LigerFusedLinearLogProbsFunction(EagerUnderCompile, torch.autograd.Function):
-    """``apply(x, weight, bias, target, temperature=1.0, ignore_index=-100)`` -> ``(logp, entropy)``,
-    both float32 with ``x``'s leading shape; see the module docstring."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, target, temperature=1.0, ignore_index=-100):
-        target_check = _check(x, weight, bias, target, temperature, ignore_index)
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        t1 = target.reshape(-1)
-        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        out = logprobs_and_entropy_forward(x2, weight, bias, t1, temperature, ignore_index, needs)
-        target_check.wait()
-        ctx.save_for_backward(x2, weight, bias, t1)
-        ctx.temperature, ctx.ignore_index, ctx.x_shape = temperature, ignore_index, x.shape
-        lead = tuple(x.shape[:-1])
-        return out[:, 0].reshape(lead), out[:, 1].reshape(lead)
-
-    @staticmethod
-    @strictly_once_differentiable
-    def backward(ctx, grad_logp, grad_entropy):
-        x2, weight, bias, t1 = ctx.saved_tensors
-        grad_out = torch.zeros((x2.shape[0], 2), device=x2.device, dtype=torch.float32)
-        if grad_logp is not None:
-            grad_out[:, 0] = grad_logp.reshape(-1)
-        if grad_entropy is not None:
-            grad_out[:, 1] = grad_entropy.reshape(-1)
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grads = logprobs_and_entropy_backward(x2, weight, bias, t1, ctx.temperature, ctx.ignore_index, grad_out,
-                                              needs)
-        grad_x = grads.x.view(ctx.x_shape) if grads.x is not None else None
-        return grad_x, grads.weight, grads.bias, None, None, None
-
-
-def fused_linear_logprobs(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                          bias: torch.Tensor | None = None, temperature: float = 1.0,
-                          ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, entropy)`` per token of ``x`` (..., D) through the head ``(weight, bias)`` at ``temperature``."""
-    return LigerFusedLinearLogProbsFunction.apply(x, weight, bias, target, temperature, ignore_index)
-
-
-class LigerFusedLinearScaledCrossEntropyFunction:
-    """verl's call shape: ``apply(_input, weight, target, temperature=1.0, ignore_index=-100,
-    m_tiles_per_cluster=1, return_entropy=False)`` -> ``-logp`` or ``(-logp, entropy)`` (float32).
-
-    ``m_tiles_per_cluster`` (a tiling knob of a Hopper kernel) is checked and otherwise ignored.
-    """
-
-    @staticmethod
-    def apply(_input, weight, target, temperature=1.0, ignore_index=-100, m_tiles_per_cluster=1,
-              return_entropy=False):
-        if isinstance(m_tiles_per_cluster, bool) or not isinstance(m_tiles_per_cluster, int) \
-                or m_tiles_per_cluster < 1:
-            raise ValueError(f"m_tiles_per_cluster must be an int >= 1, got {m_tiles_per_cluster!r}")
-        if not isinstance(return_entropy, bool):
-            raise TypeError("return_entropy must be a bool")
-        logp, entropy = fused_linear_logprobs(_input, weight, target, None, temperature, ignore_index)
-        return (-logp, entropy) if return_entropy else -logp
-
-
-# --------------------------------------------------------------------------------------
-# Log-probabilities with the per-token statistics of an RL trainer's fused head
-# --------------------------------------------------------------------------------------
-
-# The optional per-token outputs, in the order they are returned after the log-probabilities.
 TOKEN_STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
@@ -232,7 +133,8 @@ def token_statistics_rows(ignore_index: int | None, temperature: float, softcap:
 @torch.compiler.disable
 def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, needs=(True, True)):
     """(N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D), on the backward's chunks, no graph
-    (never traced, as :func:`logprobs_and_entropy_forward`)."""
+    (never traced: a graph break under ``torch.compile``, since the loop switches cuBLAS's reduction
+    precision, global state Dynamo refuses to see change, so the Function runs eagerly)."""
     out = torch.empty((x.shape[0], len(rows.column_names(1))), device=x.device, dtype=torch.float32)
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
         for a, b in row_chunks(x, weight, needs):
@@ -297,29 +199,37 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
     @staticmethod
     @strictly_once_differentiable
     def backward(ctx, grad_logp, grad_entropy, *_):
-        x2, weight, bias, t1 = ctx.saved_tensors
-        if grad_logp is None and grad_entropy is None:
-            return _TOKEN_STATISTICS_GRADS()
-        ignore_index, temperature, softcap, logit_scale, accum_fp32 = ctx.options
-        with_entropy = grad_entropy is not None
-        grad_out = torch.zeros((x2.shape[0], 1 + with_entropy), device=x2.device, dtype=torch.float32)
-        if grad_logp is not None:
-            grad_out[:, 0] = grad_logp.reshape(-1)
-        if with_entropy:
-            grad_out[:, 1] = grad_entropy.reshape(-1)
-        rows = token_statistics_rows(ignore_index, temperature, softcap, logit_scale,
-                                     ("entropy",) if with_entropy else ())
+        grad_x, grad_weight, grad_bias = _token_statistics_input_grads(ctx, grad_logp, grad_entropy)
+        return _TOKEN_STATISTICS_GRADS(x=grad_x, weight=grad_weight, bias=grad_bias)
 
-        def group_fn(q, q_ref, upstream):
-            return (q[:, 0, :] * upstream).sum(), ()
 
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        with ctx.backward_context():
-            _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, rows, group_fn,
-                                                      token_args=(t1.unsqueeze(1),), group_args=(grad_out,),
-                                                      needs=needs, accum_fp32=accum_fp32)
-        grad_x = grads.x.view(ctx.x_shape) if grads.x is not None else None
-        return _TOKEN_STATISTICS_GRADS(x=grad_x, weight=grads.weight, bias=grads.bias)
+def _token_statistics_input_grads(ctx, grad_logp, grad_entropy):
+    """(dx, dW, db) for upstream gradients of the log-probs and the entropy (either may be None):
+    the gradients of ``sum_n g_n logp_n + h_n H_n``, which the engine computes with every row a
+    group of its own, recomputing each chunk's logits and writing their gradient in place (an
+    entropy without upstream gradient costs nothing)."""
+    x2, weight, bias, t1 = ctx.saved_tensors
+    if grad_logp is None and grad_entropy is None:
+        return None, None, None
+    ignore_index, temperature, softcap, logit_scale, accum_fp32 = ctx.options
+    with_entropy = grad_entropy is not None
+    grad_out = torch.zeros((x2.shape[0], 1 + with_entropy), device=x2.device, dtype=torch.float32)
+    if grad_logp is not None:
+        grad_out[:, 0] = grad_logp.reshape(-1)
+    if with_entropy:
+        grad_out[:, 1] = grad_entropy.reshape(-1)
+    rows = token_statistics_rows(ignore_index, temperature, softcap, logit_scale,
+                                 ("entropy",) if with_entropy else ())
+
+    def group_fn(q, q_ref, upstream):
+        return (q[:, 0, :] * upstream).sum(), ()
+
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+    with ctx.backward_context():
+        _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, rows, group_fn,
+                                                  token_args=(t1.unsqueeze(1),), group_args=(grad_out,),
+                                                  needs=needs, accum_fp32=accum_fp32)
+    return (grads.x.view(ctx.x_shape) if grads.x is not None else None), grads.weight, grads.bias
 
 
 _TOKEN_STATISTICS_GRADS = InputGradients(LigerFusedLinearTokenStatisticsFunction.forward)
@@ -345,3 +255,57 @@ def fused_linear_token_statistics(x: torch.Tensor, weight: torch.Tensor, target:
     return TokenStatistics(*LigerFusedLinearTokenStatisticsFunction.apply(
         x, weight, bias, target, temperature, softcap, logit_scale, outputs, ignore_index,
         accum_dtype == torch.float32))
+
+
+class LigerFusedLinearLogProbsFunction(LigerFusedLinearTokenStatisticsFunction):
+    """``apply(x, weight, bias, target, temperature=1.0, ignore_index=-100)`` -> ``(logp, entropy)``,
+    both float32 with ``x``'s leading shape; see the module docstring (the two-output form of
+    :class:`LigerFusedLinearTokenStatisticsFunction`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, temperature=1.0, ignore_index=-100):
+        logp, entropy, *_ = LigerFusedLinearTokenStatisticsFunction.forward(
+            ctx, x, weight, bias, target, temperature, None, 1.0, ("entropy",), ignore_index, False, None)
+        return logp, entropy
+
+    @staticmethod
+    @strictly_once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        grad_x, grad_weight, grad_bias = _token_statistics_input_grads(ctx, grad_logp, grad_entropy)
+        return _LOG_PROBS_GRADS(x=grad_x, weight=grad_weight, bias=grad_bias)
+
+
+_LOG_PROBS_GRADS = InputGradients(LigerFusedLinearLogProbsFunction.forward)
+
+
+def fused_linear_logprobs(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                          bias: torch.Tensor | None = None, temperature: float = 1.0,
+                          ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, entropy)`` per token of ``x`` (..., D) through the head ``(weight, bias)`` at ``temperature``."""
+    return LigerFusedLinearLogProbsFunction.apply(x, weight, bias, target, temperature, ignore_index)
+
+
+class LigerFusedLinearScaledCrossEntropyFunction:
+    """verl's call shape: ``apply(_input, weight, target, temperature=1.0, ignore_index=-100,
+    m_tiles_per_cluster=1, return_entropy=False)`` -> ``-logp`` or ``(-logp, entropy)`` (float32).
+
+    ``m_tiles_per_cluster`` (a tiling knob of a Hopper kernel) is checked and otherwise ignored.
+    """
+
+    @staticmethod
+    def apply(_input, weight, target, temperature=1.0, ignore_index=-100, m_tiles_per_cluster=1,
+              return_entropy=False):
+        if isinstance(m_tiles_per_cluster, bool) or not isinstance(m_tiles_per_cluster, int) \
+                or m_tiles_per_cluster < 1:
+            raise ValueError(f"m_tiles_per_cluster must be an int >= 1, got {m_tiles_per_cluster!r}")
+        if not isinstance(return_entropy, bool):
+            raise TypeError("return_entropy must be a bool")
+        logp, entropy = fused_linear_logprobs(_input, weight, target, None, temperature, ignore_index)
+        return (-logp, entropy) if return_entropy else -logp
+
+
+# --------------------------------------------------------------------------------------
+# Log-probabilities with the per-token statistics of an RL trainer's fused head
+# --------------------------------------------------------------------------------------
+
+# The optional per-token outputs, in the order they are returned after the log-probabilities.
