@@ -45,9 +45,35 @@ def test_matches_float64(dtype, n_rows, vocab, beta, temperature, hard):
     assert bool((err <= bound).all()), float(err.max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_transforms_entropy_and_no_labels_match_float64(dtype, beta):
+    """Per-side logit scale and soft-cap, the student's entropy column, every row counted without labels."""
+    n_rows, vocab, temperature = 7, 203, 0.9
+    z_s = (torch.randn(n_rows, vocab, device=DEVICE) * 4).to(dtype)
+    z_t = (torch.randn(n_rows, vocab, device=DEVICE) * 4).to(dtype)
+    token_fn = GeneralizedJSDRows(beta, temperature, with_hard_loss=False, student=(1.3, 6.0), teacher=(0.8, None),
+                                  entropy=True)
+    z64 = z_s.double().requires_grad_()
+    q64 = token_fn(z64, z_t.double())
+    assert q64.shape == (n_rows, 3) and bool((q64[:, 0] == 0).all())
+    grad_q = torch.randn(q64.shape, device=DEVICE, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(q64, z64, grad_q)  # the entropy column is detached
+    q, state = token_fn.statistics(z_s, z_t)
+    torch.testing.assert_close(q.double(), q64.detach(), atol=2e-5, rtol=1e-5)
+    grad = token_fn.logit_grad_(z_s, state, grad_q.float(), z_t)
+    logit_scale = 1 + 1.3 * float(z_s.abs().max() + z_t.abs().max()) / temperature
+    atol = 5e-7 * float(grad_q.abs().max()) * logit_scale / temperature
+    bound = (2e-6 if dtype == torch.float32 else 2**-8) * expected.abs() + atol
+    err = (grad.double() - expected).abs()
+    assert bool((err <= bound).all()), float(err.max())
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="beta"):
         GeneralizedJSDRows(1.5)
+    with pytest.raises(ValueError, match="soft-cap"):
+        GeneralizedJSDRows(0.5, teacher=(1.0, -2.0))
     with pytest.raises(ValueError, match="one shape"):
         GeneralizedJSDRows(0.5).statistics(torch.zeros(2, 5, device=DEVICE), torch.zeros(2, 6, device=DEVICE),
                                            torch.zeros(2, dtype=torch.long, device=DEVICE))

@@ -3,7 +3,9 @@
 The closed-form ``token_fn`` of the fused linear JSD distillation loss on the chunked head
 engine (:mod:`liger_kernel.ops.chunked_head`, with the teacher as its second head). Per row,
 with ``P = softmax(z_s / tau)`` the student's and ``Q = softmax(z_t / tau)`` the teacher's
-distribution (TRL's GKD convention)::
+distribution (TRL's GKD convention; each side's logits may first be transformed as
+``cap(z * scale) / tau``, ``cap(u) = c tanh(u / c)``, and ``dd/dz_s`` then carries that
+transform's slope instead of ``1 / tau``)::
 
     beta = 0:   d = KL(Q || P)                                  dd/ds_v = P_v - Q_v
     beta = 1:   d = KL(P || Q)                                  dd/ds_v = P_v (log P_v - log Q_v - d)
@@ -31,7 +33,14 @@ import triton.language as tl
 
 from liger_kernel.ops.cached_launch import launch_kernel
 from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.head_epilogue import LSE, HeadEpilogueConfig, check_temperature, row_statistics
+from liger_kernel.ops.head_epilogue import (
+    ENTROPY,
+    LSE,
+    HeadEpilogueConfig,
+    check_temperature,
+    row_statistics,
+    transformed_logits,
+)
 from liger_kernel.ops.launch import is_interpreter
 from liger_kernel.ops.numerics import round_to_dtype
 
@@ -50,8 +59,10 @@ def _log_mixture(log_p, log_q, log_student_weight, log_teacher_weight):
 
 @triton.jit
 def _divergence_rows_kernel(student_ptr, student_stride, teacher_ptr, teacher_stride, lse_ptr, out_ptr, n_cols,
-                            inv_temperature, beta, log_student_weight, log_teacher_weight, MODE: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            inv_temperature, beta, log_student_weight, log_teacher_weight, student_scale,
+                            student_softcap, teacher_scale, teacher_softcap, MODE: tl.constexpr,
+                            STUDENT_SCALED: tl.constexpr, STUDENT_SOFTCAPPED: tl.constexpr,
+                            TEACHER_SCALED: tl.constexpr, TEACHER_SOFTCAPPED: tl.constexpr, BLOCK: tl.constexpr):
     """Per row: ``out[row] = (d, KL(P || M))`` (the second only for the mixture)."""
     row = tl.program_id(0).to(tl.int64)
     lse_s = tl.load(lse_ptr + row * 2)
@@ -62,10 +73,14 @@ def _divergence_rows_kernel(student_ptr, student_stride, teacher_ptr, teacher_st
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        log_p = tl.load(student_ptr + row * student_stride + cols, mask=mask, other=-float("inf")).to(tl.float32) \
-            * inv_temperature - lse_s
-        log_q = tl.load(teacher_ptr + row * teacher_stride + cols, mask=mask, other=-float("inf")).to(tl.float32) \
-            * inv_temperature - lse_t
+        z_s = tl.load(student_ptr + row * student_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        z_t = tl.load(teacher_ptr + row * teacher_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        s, _ = transformed_logits(z_s, student_scale, student_softcap, inv_temperature, STUDENT_SCALED,
+                                  STUDENT_SOFTCAPPED)
+        t, _ = transformed_logits(z_t, teacher_scale, teacher_softcap, inv_temperature, TEACHER_SCALED,
+                                  TEACHER_SOFTCAPPED)
+        log_p = tl.where(mask, s - lse_s, -float("inf"))
+        log_q = tl.where(mask, t - lse_t, -float("inf"))
         p = tl.exp(log_p)
         q = tl.exp(log_q)
         if MODE == 0:
@@ -89,31 +104,33 @@ def _divergence_rows_kernel(student_ptr, student_stride, teacher_ptr, teacher_st
 @triton.jit
 def _divergence_grad_kernel(student_ptr, student_stride, teacher_ptr, teacher_stride, lse_ptr, rows_ptr,
                             hard_lse_ptr, labels_ptr, coefficients_ptr, n_cols, inv_temperature, beta,
-                            log_student_weight, log_teacher_weight, MODE: tl.constexpr, HARD: tl.constexpr,
-                            BLOCK: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+                            log_student_weight, log_teacher_weight, student_scale, student_softcap, teacher_scale,
+                            teacher_softcap, MODE: tl.constexpr, HARD: tl.constexpr, STUDENT_SCALED: tl.constexpr,
+                            STUDENT_SOFTCAPPED: tl.constexpr, TEACHER_SCALED: tl.constexpr,
+                            TEACHER_SOFTCAPPED: tl.constexpr, BLOCK: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     ptrs = student_ptr + row * student_stride + cols
     z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    log_p = z * inv_temperature - tl.load(lse_ptr + row * 2)
+    s, slope = transformed_logits(z, student_scale, student_softcap, inv_temperature, STUDENT_SCALED,
+                                  STUDENT_SOFTCAPPED)
+    log_p = s - tl.load(lse_ptr + row * 2)
     p = tl.exp(log_p)
+    z_t = tl.load(teacher_ptr + row * teacher_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    t, _ = transformed_logits(z_t, teacher_scale, teacher_softcap, inv_temperature, TEACHER_SCALED,
+                              TEACHER_SOFTCAPPED)
+    log_q = t - tl.load(lse_ptr + row * 2 + 1)
     c_hard = tl.load(coefficients_ptr + row * 2)
     c_soft = tl.load(coefficients_ptr + row * 2 + 1)
     if MODE == 0:
-        log_q = tl.load(teacher_ptr + row * teacher_stride + cols, mask=mask, other=0.0).to(tl.float32) \
-            * inv_temperature - tl.load(lse_ptr + row * 2 + 1)
         soft = p - tl.exp(log_q)
     elif MODE == 1:
-        log_q = tl.load(teacher_ptr + row * teacher_stride + cols, mask=mask, other=0.0).to(tl.float32) \
-            * inv_temperature - tl.load(lse_ptr + row * 2 + 1)
         soft = tl.where(p > 0.0, p * (log_p - log_q - tl.load(rows_ptr + row * 2)), 0.0)
     else:
-        log_q = tl.load(teacher_ptr + row * teacher_stride + cols, mask=mask, other=0.0).to(tl.float32) \
-            * inv_temperature - tl.load(lse_ptr + row * 2 + 1)
         log_m = _log_mixture(log_p, log_q, log_student_weight, log_teacher_weight)
         soft = tl.where(p > 0.0, (1.0 - beta) * p * (log_p - log_m - tl.load(rows_ptr + row * 2 + 1)), 0.0)
-    grad = c_soft * soft * inv_temperature
+    grad = c_soft * soft * slope
     if HARD:
         label = tl.load(labels_ptr + row)
         probability = tl.exp(z - tl.load(hard_lse_ptr + row))
@@ -126,36 +143,67 @@ def _mode(beta: float) -> int:
     return FORWARD_KL if beta == 0 else REVERSE_KL if beta == 1 else MIXTURE
 
 
-class GeneralizedJSDRows:
-    """The fused linear JSD's ``token_fn`` with the closed-form path of the chunked head engine.
+def _transform_flags(side: str, scale: float, softcap: float | None) -> dict:
+    return {f"{side}_SCALED": scale != 1.0, f"{side}_SOFTCAPPED": softcap is not None}
 
-    ``statistics(z_s, z_t, y) -> ((R, 2) [hard, soft], state)`` and ``logit_grad_(z_s, state,
-    dL/dq, z_t, y)`` on the student's and teacher's (R, V) chunks (same vocabulary), with the
-    columns 0 where ``y == ignore_index``; ``hard`` only when ``with_hard_loss`` (else 0).
-    Calling the object computes the same columns with torch ops (differentiable).
+
+def _check_transform(scale: float, softcap: float | None, side: str) -> None:
+    if not math.isfinite(scale):
+        raise ValueError(f"the {side}'s logit scale must be finite, got {scale!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"the {side}'s soft-cap must be a finite number > 0 or None, got {softcap!r}")
+
+
+class GeneralizedJSDRows:
+    """The closed-form ``token_fn`` of a student-teacher divergence on the chunked head engine.
+
+    ``statistics(z_s, z_t, y=None) -> ((R, K) [hard, soft(, H)], state)`` and ``logit_grad_(z_s,
+    state, dL/dq, z_t, y=None)`` on the student's and teacher's (R, V) chunks (same vocabulary):
+    ``soft`` the divergence ``d`` of the module docstring, ``hard`` the cross entropy of the
+    student's raw logits against ``y`` (only ``with_hard_loss``, else 0), ``H`` the student's
+    entropy (only ``entropy``; no gradient flows through it). Each side's logits are transformed
+    as ``cap(z * scale) / tau`` (``student`` / ``teacher``: ``(scale, softcap or None)``). Columns
+    are 0 where ``y == ignore_index``; without labels every row counts. Calling the object
+    computes the same columns with torch ops (differentiable in ``z_s``).
     """
 
     def __init__(self, beta: float, temperature: float = 1.0, ignore_index: int = -100,
-                 with_hard_loss: bool = True):
+                 with_hard_loss: bool = True, student: tuple[float, float | None] = (1.0, None),
+                 teacher: tuple[float, float | None] = (1.0, None), entropy: bool = False):
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must lie in [0, 1], got {beta}")
         check_temperature(temperature)
+        _check_transform(*student, "student")
+        _check_transform(*teacher, "teacher")
         self.beta, self.temperature, self.ignore_index = float(beta), float(temperature), ignore_index
-        self.with_hard_loss = with_hard_loss
+        self.with_hard_loss, self.entropy = with_hard_loss, entropy
+        self.student = (float(student[0]), student[1])
+        self.teacher = (float(teacher[0]), teacher[1])
 
     def _log_weights(self) -> tuple[float, float]:
         beta = self.beta
         return (math.log(1 - beta) if beta < 1 else -math.inf), (math.log(beta) if beta > 0 else -math.inf)
 
-    def _labels(self, target: torch.Tensor, vocab: int):
+    def _labels(self, target: torch.Tensor | None, n_rows: int, vocab: int, device: torch.device):
+        if target is None:
+            return torch.ones(n_rows, dtype=torch.bool, device=device), torch.zeros(n_rows, dtype=torch.long,
+                                                                                   device=device)
         target = target.reshape(-1).long()
         counted = target != self.ignore_index
         return counted, torch.where(counted & (target >= 0) & (target < vocab), target, torch.zeros_like(target))
 
-    def __call__(self, z_s: torch.Tensor, z_t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        counted, ids = self._labels(target, z_s.shape[-1])
-        log_p = (z_s / self.temperature).log_softmax(-1)
-        log_q = (z_t / self.temperature).log_softmax(-1)
+    def _torch_transform(self, z: torch.Tensor, side: tuple[float, float | None]) -> torch.Tensor:
+        scale, softcap = side
+        if scale != 1.0:
+            z = z * scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        return z / self.temperature
+
+    def __call__(self, z_s: torch.Tensor, z_t: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        counted, ids = self._labels(target, z_s.shape[0], z_s.shape[-1], z_s.device)
+        log_p = self._torch_transform(z_s, self.student).log_softmax(-1)
+        log_q = self._torch_transform(z_t, self.teacher).log_softmax(-1)
         beta = self.beta
         if beta == 0:
             soft = (log_q.exp() * (log_q - log_p)).sum(-1)
@@ -168,48 +216,64 @@ class GeneralizedJSDRows:
             hard = -z_s.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         else:
             hard = torch.zeros_like(soft)
-        return torch.stack([hard * counted, soft * counted], dim=-1)
+        columns = [hard * counted, soft * counted]
+        if self.entropy:
+            columns.append((-(log_p.exp() * log_p).sum(-1) * counted).detach())
+        return torch.stack(columns, dim=-1)
 
-    def statistics(self, z_s: torch.Tensor, z_t: torch.Tensor, target: torch.Tensor):
+    def _kernel_options(self) -> dict:
+        log_student_weight, log_teacher_weight = self._log_weights()
+        return dict(inv_temperature=1.0 / self.temperature, beta=self.beta, log_student_weight=log_student_weight,
+                    log_teacher_weight=log_teacher_weight, student_scale=self.student[0],
+                    student_softcap=float(self.student[1] or 1.0), teacher_scale=self.teacher[0],
+                    teacher_softcap=float(self.teacher[1] or 1.0))
+
+    def _flags(self) -> dict:
+        return dict(MODE=_mode(self.beta), **_transform_flags("STUDENT", *self.student),
+                    **_transform_flags("TEACHER", *self.teacher))
+
+    def statistics(self, z_s: torch.Tensor, z_t: torch.Tensor, target: torch.Tensor | None = None):
         if z_s.shape != z_t.shape:
             raise ValueError(f"student and teacher chunks must have one shape, got {tuple(z_s.shape)} and "
                              f"{tuple(z_t.shape)}")
         n_rows, n_cols = z_s.shape
-        counted, ids = self._labels(target, n_cols)
-        lse = torch.stack([row_statistics(z_s, None, temperature=self.temperature)[:, LSE],
-                           row_statistics(z_t, None, temperature=self.temperature)[:, LSE]], dim=1).contiguous()
+        counted, ids = self._labels(target, n_rows, n_cols, z_s.device)
+        student_stats = row_statistics(z_s, None, temperature=self.temperature, scale=self.student[0],
+                                       softcap=self.student[1], entropy=self.entropy)
+        teacher_stats = row_statistics(z_t, None, temperature=self.temperature, scale=self.teacher[0],
+                                       softcap=self.teacher[1])
+        lse = torch.stack([student_stats[:, LSE], teacher_stats[:, LSE]], dim=1).contiguous()
         rows = torch.empty((n_rows, 2), device=z_s.device, dtype=torch.float32)
         hard_lse = None
         if self.with_hard_loss:
-            hard_stats = row_statistics(z_s, ids.unsqueeze(1)) if self.temperature != 1.0 else None
-            hard_lse = hard_stats[:, LSE].contiguous() if hard_stats is not None else lse[:, 0].contiguous()
+            plain = self.temperature == 1.0 and self.student == (1.0, None)
+            hard_lse = lse[:, 0].contiguous() if plain else row_statistics(z_s, None)[:, LSE].contiguous()
             label_logits = z_s.gather(1, ids.unsqueeze(1)).squeeze(1).float()
             hard = (hard_lse - label_logits) * counted
         else:
             hard = torch.zeros(n_rows, device=z_s.device)
         if n_rows:
             config = launch_config(HeadEpilogueConfig)
-            log_student_weight, log_teacher_weight = self._log_weights()
             launch_kernel(_divergence_rows_kernel, (n_rows,), z_s, z_s.stride(0), z_t, z_t.stride(0), lse, rows,
-                          n_cols, 1.0 / self.temperature, self.beta, log_student_weight, log_teacher_weight,
-                          MODE=_mode(self.beta), BLOCK=min(config.statistics_block, triton.next_power_of_2(n_cols)),
+                          n_cols, *self._kernel_options().values(), **self._flags(),
+                          BLOCK=min(config.statistics_block, triton.next_power_of_2(n_cols)),
                           num_warps=config.statistics_warps)
-        q = torch.stack([hard, rows[:, 0] * counted], dim=-1)
-        return q, (lse, rows, hard_lse, counted, ids)
+        columns = [hard, rows[:, 0] * counted]
+        if self.entropy:
+            columns.append(student_stats[:, ENTROPY] * counted)
+        return torch.stack(columns, dim=-1), (lse, rows, hard_lse, counted, ids)
 
     def logit_grad_(self, z_s: torch.Tensor, state, grad_q: torch.Tensor, z_t: torch.Tensor,
-                    target: torch.Tensor) -> torch.Tensor:
+                    target: torch.Tensor | None = None) -> torch.Tensor:
         lse, rows, hard_lse, counted, ids = state
         n_rows, n_cols = z_s.shape
         if n_rows == 0:
             return z_s
-        coefficients = (grad_q.float() * counted.unsqueeze(-1)).contiguous()
+        coefficients = (grad_q[:, :2].float() * counted.unsqueeze(-1)).contiguous()
         config = launch_config(HeadEpilogueConfig)
         block = min(config.gradient_block, triton.next_power_of_2(n_cols))
-        log_student_weight, log_teacher_weight = self._log_weights()
         launch_kernel(_divergence_grad_kernel, (n_rows, triton.cdiv(n_cols, block)), z_s, z_s.stride(0), z_t,
                       z_t.stride(0), lse, rows, hard_lse if hard_lse is not None else lse, ids, coefficients, n_cols,
-                      1.0 / self.temperature, self.beta, log_student_weight, log_teacher_weight,
-                      MODE=_mode(self.beta), HARD=self.with_hard_loss, BLOCK=block, ROUND_BY_HAND=is_interpreter(),
-                      num_warps=config.gradient_warps)
+                      *self._kernel_options().values(), **self._flags(), HARD=self.with_hard_loss, BLOCK=block,
+                      ROUND_BY_HAND=is_interpreter(), num_warps=config.gradient_warps)
         return z_s

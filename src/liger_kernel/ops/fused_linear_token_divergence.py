@@ -11,11 +11,13 @@ tanh(u / c)``, none without a cap), ``P = softmax(s)``, ``Q = softmax(t)``::
     H = -sum_v P_v log P_v                               (the student's entropy; no gradient)
 
 float32 (N,). ``d`` is differentiable in the student's ``x_s``, ``W_s`` and ``b_s`` only (the
-teacher is a constant). The forward computes both heads' logits chunk by chunk (float32 copies)
-and keeps only the inputs; the backward hands ``sum_n g_n d_n`` to the chunked head engine
+teacher is a constant). The forward computes both heads' logits chunk by chunk and their rows'
+statistics with the Triton passes of :mod:`~liger_kernel.ops.distillation_epilogue`, keeping
+only the inputs; the backward hands ``sum_n g_n d_n`` to the chunked head engine
 (:mod:`~liger_kernel.ops.chunked_head`) with the teacher as its second head, which recomputes each
-chunk's logits and differentiates the rows by autograd. dW accumulates in float32. The logits
-are one GEMM in each head's dtype (fp32 accumulation), everything after is float32.
+chunk's logits and writes the student's gradient in place (closed form). dW accumulates in
+float32. The logits are one GEMM in each head's dtype (fp32 accumulation), every statistic after
+is float32.
 
 This is the per-token divergence TRL's distillation trainer (>= 1.13) computes with
 ``ChunkedDivergenceFunction``; :mod:`liger_kernel.transformers.trl_fused_head` serves that call
@@ -31,7 +33,6 @@ import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
 from liger_kernel.ops.chunked_head import (
-    AUTOGRAD_BYTES_PER_LOGIT,
     ChunkedHeadConfig,
     _logits,
     check_head_args,
@@ -39,70 +40,39 @@ from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
 )
 from liger_kernel.ops.config import launch_config
+from liger_kernel.ops.distillation_epilogue import GeneralizedJSDRows
 from liger_kernel.ops.head_chunking import gemm_reduction_precision, gradient_bytes
 from liger_kernel.ops.head_epilogue import check_temperature
 
 
 def _check_transform(scale: float, softcap: float | None, side: str) -> None:
+    """The checks of one side's transform, named as TRL's arguments are."""
     if not math.isfinite(scale):
         raise ValueError(f"{side}_logit_scale must be finite, got {scale!r}")
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"{side}_final_logit_softcapping must be a finite number > 0 or None, got {softcap!r}")
 
 
-def _transformed(z: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
-    if scale != 1.0:
-        z = z * scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z / temperature
-
-
-class DivergenceRows:
-    """Per logit rows ``z_s`` (R, V) of the student and ``z_t`` of the teacher: ``[d, H]`` (R, 2)
-    float32 (module docstring), by differentiable torch ops (the engine's ``token_fn`` with the
-    teacher's logits handed to it takes ``[d]`` only: :attr:`divergence_only`)."""
-
-    def __init__(self, beta: float, temperature: float, student: tuple[float, float | None],
-                 teacher: tuple[float, float | None], divergence_only: bool = False):
-        self.beta, self.temperature = float(beta), float(temperature)
-        self.student, self.teacher = student, teacher
-        self.divergence_only = divergence_only
-
-    def __call__(self, z_s: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
-        log_p = torch.log_softmax(_transformed(z_s.float(), *self.student, self.temperature), dim=-1)
-        log_q = torch.log_softmax(_transformed(z_t.float(), *self.teacher, self.temperature), dim=-1).detach()
-        p, q = log_p.exp(), log_q.exp()
-        if self.beta == 0.0:
-            d = (q * (log_q - log_p)).sum(-1)
-        elif self.beta == 1.0:
-            d = (p * (log_p - log_q)).sum(-1)
-        else:
-            log_m = torch.logaddexp(log_p + math.log(1 - self.beta), log_q + math.log(self.beta))
-            d = (self.beta * q * (log_q - log_m) + (1 - self.beta) * p * (log_p - log_m)).sum(-1)
-        if self.divergence_only:
-            return d.unsqueeze(-1)
-        entropy = -(p * log_p).sum(-1)
-        return torch.stack((d, entropy.detach()), dim=-1)
-
-
 def _row_ranges(x: torch.Tensor, weight: torch.Tensor, ref_x: torch.Tensor, needs) -> list[tuple[int, int]]:
-    """The engine's backward chunks for this call (autograd rows beside the teacher's float32 logits)."""
+    """The engine's backward chunks for this call (the closed-form path: the student's chunk and
+    the teacher's beside it, each in its GEMM's dtype)."""
     n_rows = x.shape[0]
     floor_bytes = gradient_bytes(x, weight, bool(needs[0]), bool(needs[1]))
-    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes, AUTOGRAD_BYTES_PER_LOGIT + 4)
+    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes,
+                         x.element_size() + ref_x.element_size())
     if rows.chunk_rows < 1:
         raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {rows.chunk_rows}")
     return [r for (r,) in chunk_plan(n_rows, 1, False, True, rows.chunk_rows).row_ranges]
 
 
 @torch.compiler.disable
-def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: DivergenceRows, needs=(True, True)) -> torch.Tensor:
-    """(N, 2) float32 ``[d, H]`` chunk by chunk, no graph."""
+def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: GeneralizedJSDRows, needs=(True, True)) -> torch.Tensor:
+    """(N, 2) float32 ``[d, H]`` chunk by chunk, no graph (never traced: the loop switches cuBLAS's
+    reduction precision, global state Dynamo refuses to see change)."""
     out = torch.empty((x_s.shape[0], 2), device=x_s.device, dtype=torch.float32)
     with torch.no_grad(), torch.autocast(device_type=x_s.device.type, enabled=False), gemm_reduction_precision():
         for a, b in _row_ranges(x_s, w_s, x_t, needs):
-            out[a:b] = rows(_logits(x_s[a:b], w_s, b_s), _logits(x_t[a:b], w_t, b_t))
+            out[a:b] = rows.statistics(_logits(x_s[a:b], w_s, b_s), _logits(x_t[a:b], w_t, b_t))[0][:, 1:]
     return out
 
 
@@ -118,8 +88,6 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
         check_temperature(temperature)
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
-        _check_transform(student_logit_scale, student_softcap, "student")
-        _check_transform(teacher_logit_scale, teacher_softcap, "teacher")
         if x_s.dim() != 2 or x_t.dim() != 2 or x_s.shape[0] != x_t.shape[0]:
             raise ValueError(f"student and teacher hidden states must be 2-D with the same rows, got "
                              f"{tuple(x_s.shape)} and {tuple(x_t.shape)}")
@@ -127,14 +95,17 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
         check_head_args(x_t.unsqueeze(0), w_t, b_t, "teacher_hidden", "teacher_weight", "teacher_bias")
         if w_s.shape[0] != w_t.shape[0]:
             raise ValueError(f"student and teacher vocabularies differ: {w_s.shape[0]} and {w_t.shape[0]}")
+        _check_transform(student_logit_scale, student_softcap, "student")
+        _check_transform(teacher_logit_scale, teacher_softcap, "teacher")
         x_s, x_t = x_s.contiguous(), x_t.contiguous()
         student, teacher = (float(student_logit_scale), student_softcap), (float(teacher_logit_scale), teacher_softcap)
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        out = divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, DivergenceRows(beta, temperature, student, teacher),
-                                 needs)
+        rows = GeneralizedJSDRows(beta, temperature, with_hard_loss=False, student=student, teacher=teacher,
+                                  entropy=True)
+        out = divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows, needs)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x_s, w_s, b_s, x_t, w_t, b_t)
-        ctx.rows = DivergenceRows(beta, temperature, student, teacher, divergence_only=True)
+        ctx.rows = GeneralizedJSDRows(beta, temperature, with_hard_loss=False, student=student, teacher=teacher)
         ctx.backward_context = backward_context if backward_context is not None else contextlib.nullcontext
         entropy = out[:, 1]
         ctx.mark_non_differentiable(entropy)
@@ -147,8 +118,8 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
         if grad_divergence is None:
             return _DIVERGENCE_GRADS()
 
-        def group_fn(q, q_ref, upstream):
-            return (q[:, 0, 0] * upstream).sum(), ()
+        def group_fn(q, q_ref, upstream):  # q: (G, 1, [hard (0), d])
+            return (q[:, 0, 1] * upstream).sum(), ()
 
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b_s is not None and ctx.needs_input_grad[2])
         with ctx.backward_context():

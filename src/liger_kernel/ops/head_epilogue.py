@@ -89,7 +89,7 @@ class HeadEpilogueConfig(FixedLaunchConfig):
 
 
 @triton.jit
-def _transformed(z, scale, softcap, inv_temperature, SCALED: tl.constexpr, SOFTCAPPED: tl.constexpr):
+def transformed_logits(z, scale, softcap, inv_temperature, SCALED: tl.constexpr, SOFTCAPPED: tl.constexpr):
     """``s = T(z)`` and ``dT/dz`` (float32)."""
     slope = inv_temperature
     if SCALED:
@@ -143,7 +143,7 @@ def _row_statistics_kernel(z_ptr, z_stride, labels_ptr, labels_stride, stats_ptr
         z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if RAW_SUM:
             raw_sum += tl.sum(z, axis=0)
-        s, _ = _transformed(z, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
+        s, _ = transformed_logits(z, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
         if TRANSFORMED_SUM:
             transformed_sum += tl.sum(tl.where(mask, s, 0.0), axis=0)
         s = tl.where(mask, s, -float("inf"))
@@ -173,11 +173,11 @@ def _row_statistics_kernel(z_ptr, z_stride, labels_ptr, labels_stride, stats_ptr
         out = stats_ptr + row * K_STAT_COLUMNS
         if N_LABELS > 0:
             z_label = tl.load(row_ptr + first_label).to(tl.float32)
-            s_label, _ = _transformed(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
+            s_label, _ = transformed_logits(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
             tl.store(out + K_LABEL_0, s_label)
         if N_LABELS > 1:
             z_label = tl.load(row_ptr + tl.load(labels_ptr + row * labels_stride + 1)).to(tl.float32)
-            s_label, _ = _transformed(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
+            s_label, _ = transformed_logits(z_label, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
             tl.store(out + K_LABEL_1, s_label)
 
 
@@ -216,7 +216,7 @@ def _logit_grad_kernel(z_ptr, z_stride, labels_ptr, labels_stride, stats_ptr, co
     mask = cols < n_cols
     ptrs = z_ptr + row * z_stride + cols
     z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    s, slope = _transformed(z, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
+    s, slope = transformed_logits(z, scale, softcap, inv_temperature, SCALED, SOFTCAPPED)
     stats = stats_ptr + row * K_STAT_COLUMNS
     coefficients = coefficients_ptr + row * K_COEFFICIENT_COLUMNS
     log_p = s - tl.load(stats + K_LSE)
