@@ -39,6 +39,7 @@ Usage::
     python benchmarks/e2e_training.py --model qwen3-0.6b --variants hf,hf-compile,liger,liger-compile
     python benchmarks/e2e_training.py --model llama-1b --seq 16384 --max-batch --skip-max-seq
     python benchmarks/e2e_training.py --model tiny --steps 3 --warmup 1 --skip-max-seq   # CPU smoke
+    python benchmarks/e2e_training.py --objective dpo --variants hf-compile,liger,liger-upstream --skip-max-seq
 """
 
 import argparse
@@ -69,6 +70,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(REPO_ROOT))
 from benchmarks import step_floor  # noqa: E402
 from benchmarks.harness import device_name, versions  # noqa: E402
+from benchmarks.objectives import OBJECTIVES, Objective, build_objective, needs_reference, sft  # noqa: E402
 
 # Agreement of the loss curves: each loss is an fp32 mean over B*T tokens of values
 # computed from bf16 logits, and the variants differ only in bf16 rounding order (and in
@@ -269,11 +271,12 @@ def token_batches(n: int, batch: int, seq: int, vocab: int, seed: int, device: t
     return batches
 
 
-def train_step(model, optimizer, input_ids: torch.Tensor) -> torch.Tensor:
-    """One optimisation step; returns the detached loss (no host sync)."""
+def train_step(model, optimizer, input_ids: torch.Tensor, objective: Objective = sft) -> torch.Tensor:
+    """One optimisation step of ``objective`` (:mod:`benchmarks.objectives`); returns the detached
+    loss (no host sync)."""
     # Keep only the loss: holding the output object would keep HF's logits alive through
     # backward, which a normal training loop does not do.
-    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss = objective(model, input_ids)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -344,12 +347,13 @@ def search_largest(fits, start: int, candidates, quantum: int, deadline: float, 
     return good, bad, notes
 
 
-def _step_fits(model, optimizer, batch: int, seq: int, vocab: int, device: torch.device) -> bool:
+def _step_fits(model, optimizer, batch: int, seq: int, vocab: int, device: torch.device,
+               objective: Objective = sft) -> bool:
     """One training step at ``(batch, seq)``; False when it runs out of memory."""
     free_memory(device)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     try:
-        train_step(model, optimizer, ids)
+        train_step(model, optimizer, ids, objective)
         synchronize(device)
         return True
     except Exception as error:  # only out-of-memory is expected here
@@ -363,26 +367,27 @@ def _step_fits(model, optimizer, batch: int, seq: int, vocab: int, device: torch
 
 
 def find_max_seq(model, optimizer, batch: int, start_seq: int, vocab: int, device: torch.device,
-                 budget_s: float, candidates=MAX_SEQ_CANDIDATES) -> tuple[int, int | None, list[str]]:
+                 budget_s: float, candidates=MAX_SEQ_CANDIDATES,
+                 objective: Objective = sft) -> tuple[int, int | None, list[str]]:
     """Longest sequence length (at ``batch``) that trains one step without running out of memory.
 
     Doubling from ``start_seq`` through ``candidates``, then one bisection step between the
     last length that fit and the first that did not (rounded to 1024). Stops early once
     ``budget_s`` seconds have passed (a step already started is finished).
     """
-    return search_largest(lambda seq: _step_fits(model, optimizer, batch, seq, vocab, device), start_seq,
+    return search_largest(lambda seq: _step_fits(model, optimizer, batch, seq, vocab, device, objective), start_seq,
                           candidates, quantum=1024, deadline=time.perf_counter() + budget_s, bisections=1,
                           what="seq")
 
 
 def find_max_batch(model, optimizer, seq: int, vocab: int, device: torch.device, budget_s: float,
-                   limit: int = MAX_BATCH_LIMIT) -> tuple[int, int | None, list[str]]:
+                   limit: int = MAX_BATCH_LIMIT, objective: Objective = sft) -> tuple[int, int | None, list[str]]:
     """Largest batch that trains one step at ``seq``: doubling from 1, then three bisection steps.
 
     Returns ``(0, 1, notes)`` when not even batch 1 fits.
     """
     def fits(batch: int) -> bool:
-        return _step_fits(model, optimizer, batch, seq, vocab, device)
+        return _step_fits(model, optimizer, batch, seq, vocab, device, objective)
 
     if not fits(1):
         return 0, 1, [f"batch 1 does not fit at seq {seq}"]
@@ -425,9 +430,9 @@ def revert_liger() -> None:
     revert_liger_kernel()
 
 
-def timed_steps(model, optimizer, batches, warmup: int, device: torch.device):
+def timed_steps(model, optimizer, batches, warmup: int, device: torch.device, objective: Objective = sft):
     """Warm-up then timed steps; (losses, per-step ms, wall seconds of the timed part)."""
-    losses = [train_step(model, optimizer, ids) for ids in batches[:warmup]]
+    losses = [train_step(model, optimizer, ids, objective) for ids in batches[:warmup]]
     synchronize(device)
     events = []
     start = time.perf_counter()
@@ -435,12 +440,12 @@ def timed_steps(model, optimizer, batches, warmup: int, device: torch.device):
         if device.type == "cuda":
             begin_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin_event.record()
-            losses.append(train_step(model, optimizer, ids))
+            losses.append(train_step(model, optimizer, ids, objective))
             end_event.record()
             events.append((begin_event, end_event))
         else:
             step_start = time.perf_counter()
-            losses.append(train_step(model, optimizer, ids))
+            losses.append(train_step(model, optimizer, ids, objective))
             events.append(time.perf_counter() - step_start)
     synchronize(device)
     elapsed = time.perf_counter() - start
@@ -463,7 +468,8 @@ def run_upstream_e2e(args, grad_ckpt: bool, max_seq_budget_s: float | None):
                "--variants", "liger", "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--batch", str(args.batch), "--seq", str(args.seq), "--seed", str(args.seed),
                "--grad-ckpt", "on" if grad_ckpt else "off", "--floor", args.floor,
-               "--compile-backend", args.compile_backend, "--max-seq-limit", str(args.max_seq_limit)]
+               "--compile-backend", args.compile_backend, "--max-seq-limit", str(args.max_seq_limit),
+               "--objective", args.objective]
     if max_seq_budget_s is None:
         command.append("--skip-max-seq")
     else:
@@ -506,9 +512,19 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
         apply_liger(model)
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if variant.endswith("-compile"):
+    compiled = variant.endswith("-compile")
+    if compiled:
         torch._dynamo.reset()
         model.compile(backend=args.compile_backend)
+        if args.objective != "sft":  # these objectives call the decoder and the loss themselves
+            model.get_decoder().compile(backend=args.compile_backend)
+    reference = None
+    if needs_reference(args.objective):  # a frozen copy of the initial policy, patched like it
+        reference = build_model(config, device, dtype, state_dict=initial_state).requires_grad_(False)
+        if variant.startswith("liger"):
+            apply_liger(reference)
+    objective = build_objective(args.objective, fused=variant.startswith("liger"),
+                                compile_backend=args.compile_backend if compiled else None, reference=reference)
     optimizer = make_optimizer(model, device)
     vocab = data_vocab(config)
     names = patched_modules(model)
@@ -519,10 +535,10 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
     if args.max_batch:
         budget = args.max_batch_budget
         batch, first_oom_batch, notes = find_max_batch(model, optimizer, seq, vocab, device, budget,
-                                                       args.max_batch_limit)
+                                                       args.max_batch_limit, objective)
         if batch == 0:
             summary = _patched_summary(names, model)
-            del model, optimizer
+            del model, optimizer, reference, objective
             free_memory(device)
             return VariantResult(variant=variant + ("+ckpt" if grad_ckpt else ""), tokens_per_s=math.nan,
                                  peak_gib=math.nan, median_step_ms=math.nan, losses=[], batch=0, seq=seq,
@@ -532,7 +548,7 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
     free_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    losses, step_ms, elapsed = timed_steps(model, optimizer, batches, args.warmup, device)
+    losses, step_ms, elapsed = timed_steps(model, optimizer, batches, args.warmup, device, objective)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     timed = batches[args.warmup:]
     result = VariantResult(
@@ -547,16 +563,17 @@ def run_variant(variant: str, config, initial_state, args, device: torch.device,
     if head_rate is not None:
         tc = text_config(config)
         head_floor_ms = 6.0 * batch * seq * tc.hidden_size * tc.vocab_size / head_rate * 1e3
-        result.floor = step_floor.profile_step(functools.partial(train_step, model, optimizer, timed[-1]),
+        result.floor = step_floor.profile_step(functools.partial(train_step, model, optimizer, timed[-1], objective),
                                                device, tc.vocab_size, head_floor_ms)
     if max_seq_budget_s is not None:
         search_start = time.perf_counter()
         result.max_seq_len, result.first_oom_seq_len, seq_notes = find_max_seq(
-            model, optimizer, batch, seq, vocab, device, max_seq_budget_s, seq_candidates(args.max_seq_limit))
+            model, optimizer, batch, seq, vocab, device, max_seq_budget_s, seq_candidates(args.max_seq_limit),
+            objective)
         result.notes += seq_notes
         result.search_s = time.perf_counter() - search_start
 
-    del model, optimizer, losses
+    del model, optimizer, losses, reference, objective
     if variant.startswith("liger"):
         revert_liger()
     free_memory(device)
@@ -681,6 +698,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma list of {', '.join(VARIANTS)}, or all (the first four)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (GPU presets: 10)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (GPU presets: 3)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="sft",
+                        help="the step trained: sft (the model's loss), dpo or grpo (benchmarks/objectives.py)")
     parser.add_argument("--batch", type=int, default=None, help="batch size (GPU presets: 4)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (GPU presets: 2048)")
     parser.add_argument("--seed", type=int, default=0)
@@ -837,7 +856,7 @@ def main(argv=None) -> int:
         print("  (CPU interpreter: throughput is not meaningful; no peak-memory statistic)")
 
     os.makedirs(args.out, exist_ok=True)
-    stem = "e2e" + (f"_{args.tag}" if args.tag else "")
+    stem = "e2e" + (f"_{args.tag}" if args.tag else "") + (f"_{args.objective}" if args.objective != "sft" else "")
     csv_path, png_path = os.path.join(args.out, f"{stem}.csv"), os.path.join(args.out, f"{stem}.png")
     write_csv(csv_path, results, env, args)
     write_plot(png_path, results, env, args)
