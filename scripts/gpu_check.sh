@@ -27,6 +27,8 @@
 #                 into $TMPDIR/liger_upstream (its own directory, never on this process's path; children
 #                 import it from LIGER_UPSTREAM_PATH); then the benchmarks get --peers all and the e2e
 #                 runs may name the liger-upstream variant. A peer that is missing is reported as skipped.
+#                 The wheels: cut-cross-entropy; trl (1.16, for trl.kernels) with datasets, dill and
+#                 multiprocess (its trainer utilities import them); upstream/liger_kernel-0.8.5.
 #                 Wheels too large for one transfer travel split: see join_wheel_parts below.
 #   Examples, one device call each (wheels: run `scripts/gpu_check.sh` with .whl in the carry list):
 #     GPU_CHECK_TESTS=0 GPU_CHECK_E2E=0 GPU_CHECK_PEERS=1 BENCH_ARGS=--quick       kernels vs every peer
