@@ -115,7 +115,7 @@ def test_merge_speedups():
 def _e2e_args(path: str) -> SimpleNamespace:
     return SimpleNamespace(upstream_path=path, model="tiny", steps=1, warmup=1, batch=2, seq=16, seed=0,
                            floor="off", compile_backend="inductor", max_seq_limit=32768, max_batch=False,
-                           max_batch_limit=8, max_batch_budget=10.0)
+                           max_batch_limit=8, max_batch_budget=10.0, objective="sft")
 
 
 def test_upstream_e2e_variant(monkeypatch):
