@@ -124,6 +124,33 @@ class ChunkedHeadConfig(LaunchConfig):
         return cls(chunk_rows=min(max(1, n_rows), budget_rows(n_cols, bytes_per_logit, floor_bytes)))
 
 
+def engine_chunk_rows(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool], closed_form: bool,
+                      beside: torch.Tensor | None = None) -> int:
+    """The most rows of logits one chunk of the engine holds for hidden states ``x`` (..., D)
+    through ``weight`` (V, D) producing the gradients ``needs`` says: each logit costs its
+    element size on the closed-form path (12 bytes under autograd), plus, where ``token_fn``
+    reads a second head's logits ``beside`` the chunk, that head's element size (4 bytes, float32,
+    under autograd)."""
+    bytes_per_logit = x.element_size() if closed_form else AUTOGRAD_BYTES_PER_LOGIT
+    if beside is not None:
+        bytes_per_logit += beside.element_size() if closed_form else 4
+    n_rows = x.numel() // max(1, x.shape[-1])
+    floor_bytes = gradient_bytes(x, weight, bool(needs[0]), bool(needs[1]))
+    chunk_rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes, bytes_per_logit).chunk_rows
+    if chunk_rows < 1:
+        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {chunk_rows}")
+    return chunk_rows
+
+
+def per_token_row_ranges(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool],
+                         beside: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """The row ranges of 2-D ``x`` (N, D) the engine uses for a closed-form ``token_fn`` with every
+    row a group of its own (per-token outputs), so that a forward pass outside the engine computes
+    exactly the logits its backward recomputes."""
+    rows = engine_chunk_rows(x, weight, needs, True, beside)
+    return [r for (r,) in chunk_plan(x.shape[0], 1, False, True, rows).row_ranges]
+
+
 def target_log_probs(ignore_index: int, temperature: float = 1.0, log_sum_sq_probs: bool = False) -> LogitRowStatistics:
     """The ``token_fn`` every preference loss reads: per row, the log-probabilities of its labels
     at ``temperature`` (0 where a label is ``ignore_index``), [``log sum_v p_v^2``], and the row
@@ -359,15 +386,9 @@ def chunked_head_loss_and_grads(
         ref_x = ref_x.contiguous()
     x = x.contiguous()
     n_rows, n_cols = n_groups * seq_len, weight.shape[0]
-    floor_bytes = gradient_bytes(x, weight, needs[0], needs[1])
     closed_form = _in_place(token_fn)
-    bytes_per_logit = x.element_size() if closed_form else AUTOGRAD_BYTES_PER_LOGIT
-    if ref_logits_to_token_fn and ref_weight is not None:
-        # The second head's logits beside the chunk (float32 for autograd).
-        bytes_per_logit += ref_x.element_size() if closed_form else 4
-    chunk_rows = launch_config(ChunkedHeadConfig, n_rows, n_cols, floor_bytes, bytes_per_logit).chunk_rows
-    if chunk_rows < 1:
-        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {chunk_rows}")
+    beside = ref_x if ref_logits_to_token_fn and ref_weight is not None else None
+    chunk_rows = engine_chunk_rows(x, weight, needs, closed_form, beside)
     grads = _GradAccumulator(x, weight, bias, needs, accum_fp32)
     plan = chunk_plan(n_groups, seq_len, paired, additive, chunk_rows)
     rows = _Rows(x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn, closed_form)

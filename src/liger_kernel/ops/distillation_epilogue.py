@@ -37,8 +37,11 @@ from liger_kernel.ops.head_epilogue import (
     ENTROPY,
     LSE,
     HeadEpilogueConfig,
+    check_logit_transform,
     check_temperature,
     row_statistics,
+    transform_flags,
+    transform_logits,
     transformed_logits,
 )
 from liger_kernel.ops.launch import is_interpreter
@@ -143,17 +146,6 @@ def _mode(beta: float) -> int:
     return FORWARD_KL if beta == 0 else REVERSE_KL if beta == 1 else MIXTURE
 
 
-def _transform_flags(side: str, scale: float, softcap: float | None) -> dict:
-    return {f"{side}_SCALED": scale != 1.0, f"{side}_SOFTCAPPED": softcap is not None}
-
-
-def _check_transform(scale: float, softcap: float | None, side: str) -> None:
-    if not math.isfinite(scale):
-        raise ValueError(f"the {side}'s logit scale must be finite, got {scale!r}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"the {side}'s soft-cap must be a finite number > 0 or None, got {softcap!r}")
-
-
 class GeneralizedJSDRows:
     """The closed-form ``token_fn`` of a student-teacher divergence on the chunked head engine.
 
@@ -173,8 +165,8 @@ class GeneralizedJSDRows:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must lie in [0, 1], got {beta}")
         check_temperature(temperature)
-        _check_transform(*student, "student")
-        _check_transform(*teacher, "teacher")
+        check_logit_transform(*student, "the student's logit scale", "the student's soft-cap")
+        check_logit_transform(*teacher, "the teacher's logit scale", "the teacher's soft-cap")
         self.beta, self.temperature, self.ignore_index = float(beta), float(temperature), ignore_index
         self.with_hard_loss, self.entropy = with_hard_loss, entropy
         self.student = (float(student[0]), student[1])
@@ -192,18 +184,10 @@ class GeneralizedJSDRows:
         counted = target != self.ignore_index
         return counted, torch.where(counted & (target >= 0) & (target < vocab), target, torch.zeros_like(target))
 
-    def _torch_transform(self, z: torch.Tensor, side: tuple[float, float | None]) -> torch.Tensor:
-        scale, softcap = side
-        if scale != 1.0:
-            z = z * scale
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        return z / self.temperature
-
     def __call__(self, z_s: torch.Tensor, z_t: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         counted, ids = self._labels(target, z_s.shape[0], z_s.shape[-1], z_s.device)
-        log_p = self._torch_transform(z_s, self.student).log_softmax(-1)
-        log_q = self._torch_transform(z_t, self.teacher).log_softmax(-1)
+        log_p = transform_logits(z_s, *self.student, self.temperature).log_softmax(-1)
+        log_q = transform_logits(z_t, *self.teacher, self.temperature).log_softmax(-1)
         beta = self.beta
         if beta == 0:
             soft = (log_q.exp() * (log_q - log_p)).sum(-1)
@@ -229,8 +213,8 @@ class GeneralizedJSDRows:
                     teacher_softcap=float(self.teacher[1] or 1.0))
 
     def _flags(self) -> dict:
-        return dict(MODE=_mode(self.beta), **_transform_flags("STUDENT", *self.student),
-                    **_transform_flags("TEACHER", *self.teacher))
+        return dict(MODE=_mode(self.beta), **transform_flags(*self.student, "STUDENT_"),
+                    **transform_flags(*self.teacher, "TEACHER_"))
 
     def statistics(self, z_s: torch.Tensor, z_t: torch.Tensor, target: torch.Tensor | None = None):
         if z_s.shape != z_t.shape:

@@ -48,15 +48,13 @@ import torch
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
 from liger_kernel.ops.checks import check_tensor
 from liger_kernel.ops.chunked_head import (
-    ChunkedHeadConfig,
     _logits,
     autocast_operands,
     check_head_args,
-    chunk_plan,
     chunked_head_loss_and_grads,
+    per_token_row_ranges,
 )
-from liger_kernel.ops.config import launch_config
-from liger_kernel.ops.head_chunking import gemm_reduction_precision, gradient_bytes
+from liger_kernel.ops.head_chunking import gemm_reduction_precision
 from liger_kernel.ops.head_epilogue import LogitRowStatistics, check_temperature
 from liger_kernel.ops.loss_checks import start_target_check
 
@@ -87,15 +85,9 @@ def _check(x, weight, bias, target, temperature, ignore_index):
 
 
 def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = (True, True)) -> list[tuple[int, int]]:
-    """Row ranges of 2-D ``x``: those of the engine's backward pass (every row a group, the
-    closed-form path, for the gradients ``needs`` says the call produces), so forward and
-    backward compute the same logits."""
-    n_rows = x.shape[0]
-    floor_bytes = gradient_bytes(x, weight, bool(needs[0]), bool(needs[1]))
-    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes, x.element_size()).chunk_rows
-    if rows < 1:
-        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {rows}")
-    return [r for (r,) in chunk_plan(n_rows, 1, False, True, rows).row_ranges]
+    """Row ranges of 2-D ``x``: those of the engine's backward pass (for the gradients ``needs``
+    says the call produces), so forward and backward compute the same logits."""
+    return per_token_row_ranges(x, weight, needs)
 
 
 TOKEN_STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")

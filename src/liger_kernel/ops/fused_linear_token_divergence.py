@@ -27,42 +27,19 @@ shape with it.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
 from liger_kernel.ops.chunked_head import (
-    ChunkedHeadConfig,
     _logits,
     check_head_args,
-    chunk_plan,
     chunked_head_loss_and_grads,
+    per_token_row_ranges,
 )
-from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.distillation_epilogue import GeneralizedJSDRows
-from liger_kernel.ops.head_chunking import gemm_reduction_precision, gradient_bytes
-from liger_kernel.ops.head_epilogue import check_temperature
-
-
-def _check_transform(scale: float, softcap: float | None, side: str) -> None:
-    """The checks of one side's transform, named as TRL's arguments are."""
-    if not math.isfinite(scale):
-        raise ValueError(f"{side}_logit_scale must be finite, got {scale!r}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"{side}_final_logit_softcapping must be a finite number > 0 or None, got {softcap!r}")
-
-
-def _row_ranges(x: torch.Tensor, weight: torch.Tensor, ref_x: torch.Tensor, needs) -> list[tuple[int, int]]:
-    """The engine's backward chunks for this call (the closed-form path: the student's chunk and
-    the teacher's beside it, each in its GEMM's dtype)."""
-    n_rows = x.shape[0]
-    floor_bytes = gradient_bytes(x, weight, bool(needs[0]), bool(needs[1]))
-    rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes,
-                         x.element_size() + ref_x.element_size())
-    if rows.chunk_rows < 1:
-        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {rows.chunk_rows}")
-    return [r for (r,) in chunk_plan(n_rows, 1, False, True, rows.chunk_rows).row_ranges]
+from liger_kernel.ops.head_chunking import gemm_reduction_precision
+from liger_kernel.ops.head_epilogue import check_logit_transform, check_temperature
 
 
 @torch.compiler.disable
@@ -71,7 +48,8 @@ def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: GeneralizedJSDRows, n
     reduction precision, global state Dynamo refuses to see change)."""
     out = torch.empty((x_s.shape[0], 2), device=x_s.device, dtype=torch.float32)
     with torch.no_grad(), torch.autocast(device_type=x_s.device.type, enabled=False), gemm_reduction_precision():
-        for a, b in _row_ranges(x_s, w_s, x_t, needs):
+        # The backward's chunks (the teacher's logits beside the student's), so both compute the same logits.
+        for a, b in per_token_row_ranges(x_s, w_s, needs, beside=x_t):
             out[a:b] = rows.statistics(_logits(x_s[a:b], w_s, b_s), _logits(x_t[a:b], w_t, b_t))[0][:, 1:]
     return out
 
@@ -95,8 +73,10 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
         check_head_args(x_t.unsqueeze(0), w_t, b_t, "teacher_hidden", "teacher_weight", "teacher_bias")
         if w_s.shape[0] != w_t.shape[0]:
             raise ValueError(f"student and teacher vocabularies differ: {w_s.shape[0]} and {w_t.shape[0]}")
-        _check_transform(student_logit_scale, student_softcap, "student")
-        _check_transform(teacher_logit_scale, teacher_softcap, "teacher")
+        check_logit_transform(student_logit_scale, student_softcap, "student_logit_scale",
+                              "student_final_logit_softcapping")
+        check_logit_transform(teacher_logit_scale, teacher_softcap, "teacher_logit_scale",
+                              "teacher_final_logit_softcapping")
         x_s, x_t = x_s.contiguous(), x_t.contiguous()
         student, teacher = (float(student_logit_scale), student_softcap), (float(teacher_logit_scale), teacher_softcap)
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))

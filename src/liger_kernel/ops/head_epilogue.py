@@ -239,8 +239,27 @@ def _logit_grad_kernel(z_ptr, z_stride, labels_ptr, labels_stride, stats_ptr, co
     tl.store(ptrs, grad_z.to(z_ptr.dtype.element_ty), mask=mask)
 
 
-def _transform_flags(scale: float, softcap: float | None) -> dict:
-    return dict(SCALED=scale != 1.0, SOFTCAPPED=softcap is not None)
+def transform_flags(scale: float, softcap: float | None, prefix: str = "") -> dict:
+    """The constexpr switches of :func:`transformed_logits` for a side's ``(scale, softcap)``."""
+    return {f"{prefix}SCALED": scale != 1.0, f"{prefix}SOFTCAPPED": softcap is not None}
+
+
+def check_logit_transform(scale: float, softcap: float | None, scale_name: str = "logit_scale",
+                          softcap_name: str = "softcap") -> None:
+    """A logit scale must be finite, a soft-cap a finite number > 0 or None."""
+    if not math.isfinite(scale):
+        raise ValueError(f"{scale_name} must be finite, got {scale!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{softcap_name} must be a finite number > 0 or None, got {softcap!r}")
+
+
+def transform_logits(z: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+    """``cap(z * scale) / temperature`` with torch ops (differentiable; what :func:`transformed_logits`
+    computes in the kernels)."""
+    s = z * scale if scale != 1.0 else z
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    return s / temperature if temperature != 1.0 else s
 
 
 def row_statistics(logits: torch.Tensor, labels: torch.Tensor | None, *, temperature: float = 1.0,
@@ -269,7 +288,7 @@ def row_statistics(logits: torch.Tensor, labels: torch.Tensor | None, *, tempera
     partials = torch.empty((n_rows, n_splits, PARTIAL_COLUMNS), device=logits.device, dtype=torch.float32)
     launch_kernel(_row_statistics_kernel, (n_rows, n_splits), logits, logits.stride(0), labels_arg,
                   labels.stride(0) if labels is not None else 0, stats, partials, n_cols, span, float(scale),
-                  float(softcap or 1.0), 1.0 / temperature, N_LABELS=n_labels, **_transform_flags(scale, softcap),
+                  float(softcap or 1.0), 1.0 / temperature, N_LABELS=n_labels, **transform_flags(scale, softcap),
                   ENTROPY=entropy, SUM_SQ=sum_sq, RAW_SUM=raw_sum, TRANSFORMED_SUM=transformed_sum, TOP1=top1,
                   BLOCK=block, num_warps=config.statistics_warps)
     _combine_partials(partials, stats, entropy, sum_sq, raw_sum, transformed_sum, top1)
@@ -293,7 +312,7 @@ def logit_grad_(logits: torch.Tensor, labels: torch.Tensor | None, stats: torch.
     launch_kernel(_logit_grad_kernel, (n_rows, triton.cdiv(n_cols, block)), logits, logits.stride(0),
                   labels if labels is not None else stats, labels.stride(0) if labels is not None else 0, stats,
                   coefficients, n_cols, float(scale), float(softcap or 1.0), 1.0 / temperature,
-                  N_LABELS=n_labels, **_transform_flags(scale, softcap), ENTROPY_GRAD=entropy_grad,
+                  N_LABELS=n_labels, **transform_flags(scale, softcap), ENTROPY_GRAD=entropy_grad,
                   RAW_SUM_GRAD=raw_sum_grad, BLOCK=block, ROUND_BY_HAND=is_interpreter(),
                   num_warps=config.gradient_warps)
     return logits
@@ -329,10 +348,7 @@ class LogitRowStatistics:
                  logit_scale: float = 1.0, entropy: bool = False, log_sum_sq_probs: bool = False,
                  row_sum: bool = False, mean_logits: bool = False, is_top1: bool = False):
         check_temperature(temperature)
-        if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
-        if not math.isfinite(logit_scale):
-            raise ValueError(f"logit_scale must be finite, got {logit_scale!r}")
+        check_logit_transform(logit_scale, softcap)
         self.ignore_index = ignore_index
         self.temperature, self.softcap, self.logit_scale = float(temperature), softcap, float(logit_scale)
         self.entropy, self.log_sum_sq_probs, self.row_sum = entropy, log_sum_sq_probs, row_sum
@@ -354,14 +370,8 @@ class LogitRowStatistics:
             keep = inside if counted is None else inside & counted
             yield counted, torch.where(keep, label, torch.zeros_like(label))
 
-    def _transform(self, logits: torch.Tensor) -> torch.Tensor:
-        s = logits * self.logit_scale if self.logit_scale != 1.0 else logits
-        if self.softcap is not None:
-            s = self.softcap * torch.tanh(s / self.softcap)
-        return s / self.temperature if self.temperature != 1.0 else s
-
     def __call__(self, logits: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
-        s = self._transform(logits)
+        s = transform_logits(logits, self.logit_scale, self.softcap, self.temperature)
         lse = torch.logsumexp(s, dim=-1)
         label_info = list(self._labels(labels, logits.shape[-1]))
         columns = []
