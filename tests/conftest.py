@@ -34,7 +34,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_seed():
-    # A different seed per test run keeps inputs fresh; it is printed on failure.
-    seed = int.from_bytes(os.urandom(4), "little")
+    # A different seed per test run keeps inputs fresh; it is printed on failure, and
+    # LIGER_TEST_SEED=<seed> replays it.
+    replay = os.environ.get("LIGER_TEST_SEED")
+    seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     yield seed

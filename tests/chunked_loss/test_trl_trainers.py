@@ -228,17 +228,21 @@ def test_grpo_trainer(tmp_path, _fresh_seed, loss_type, level, clip_key):
     reference (from the saved model: TRL builds it from the model's path) for the KL term. The rewards
     must agree too: they show both runs sampled the same completions. With sequence-level ratios TRL's
     own ``clip_ratio/region_mean`` counts clipped sequences where the fused loss (as the best-known
-    library's) counts their tokens; completions of equal length make the two the same number."""
+    library's) counts their tokens; completions of equal length (no eos before the fifth token) make the
+    two the same number."""
     _trainer_module_calls("trainer.grpo_trainer", LigerFusedLinearGRPOLoss)
     tok, data = _tokenizer(), Dataset.from_dict({"prompt": _PROMPTS})
     path = tmp_path / "model"
     _model(_fresh_seed).to("cpu").save_pretrained(path)
     tok.save_pretrained(path)
 
+    # Sequence-level clip ratios agree only when every completion has the same length: no early eos.
+    generation_kwargs = {"min_new_tokens": 5} if level == "sequence" else None
+
     def run(liger):
         args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
                               num_iterations=2, beta=0.1, loss_type=loss_type,
-                              importance_sampling_level=level,
+                              importance_sampling_level=level, generation_kwargs=generation_kwargs,
                               **_common_args(tmp_path, liger, _fresh_seed))
         trainer = trl.GRPOTrainer(model=str(path), reward_funcs=_reward, args=args, train_dataset=data,
                                   processing_class=tok)
