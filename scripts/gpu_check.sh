@@ -29,6 +29,9 @@
 #                 runs may name the liger-upstream variant. A peer that is missing is reported as skipped.
 #                 The wheels: cut-cross-entropy; trl (1.16, for trl.kernels) with datasets, dill and
 #                 multiprocess (its trainer utilities import them); upstream/liger_kernel-0.8.5.
+#                 quack: quack-kernels 0.6.5, nvidia-cutlass-dsl 4.8.1 with its libs-base, libs-core and
+#                 libs-cu13 (92 MB: two parts, so two calls), apache-tvm-ffi, torch-c-dlpack-ext (the
+#                 image has cuda-bindings, einops and protobuf).
 #                 Wheels too large for one transfer travel split: see join_wheel_parts below.
 #   Examples, one device call each (wheels: run `scripts/gpu_check.sh` with .whl in the carry list):
 #     GPU_CHECK_TESTS=0 GPU_CHECK_E2E=0 GPU_CHECK_PEERS=1 BENCH_ARGS=--quick       kernels vs every peer
