@@ -11,8 +11,9 @@ Two checks per family:
   the graph and runs it as traced: no code generation, cheap) traces the training forward
   into exactly one graph with no break, the graph calls the Liger ops - proof that the
   compiled model runs the kernels rather than a fallback - and the traced step gives the
-  eager loss and gradients. Instance-patched models of each family, and one class-level
-  patched model.
+  eager loss and gradients; Dynamo warns about none of our code while tracing (a user compiling
+  a patched model would see each warning). Instance-patched models of each family, and one
+  class-level patched model.
 * ``test_compiled_matches_eager``: the Inductor build of the same model (``fullgraph=True``,
   which raises on any graph break) gives the eager patched model's loss and gradients. On
   CPU Inductor generates C++ for the non-Liger parts (attention, matmuls, residuals) while the
@@ -27,10 +28,13 @@ allow 1e-5 relative on the loss and norm-wise on every gradient.
 from __future__ import annotations
 
 import contextlib
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+import liger_kernel
 from tests.transformers.model_configs import MODEL_TYPES, build_model, random_batch
 from tests.utils import DEVICE, rel_error, shapes
 
@@ -98,6 +102,18 @@ def _assert_same_step(model, reference, loss, reference_loss, label: str) -> Non
         assert err <= 1e-5, f"{label}: compiled gradient of {name} off by {err:.2e} (relative)"
 
 
+def _dynamo_warnings_about_liger(caught: list[warnings.WarningMessage]) -> list[str]:
+    """Dynamo's warnings that name a liger_kernel source file (``... at 'causal_lm.py:389'``):
+    every user compiling a patched model would see them."""
+    ours = {path.name for path in Path(liger_kernel.__file__).parent.rglob("*.py")}
+    found = []
+    for w in caught:
+        message = str(w.message)
+        if "Dynamo" in message and any(f"'{name}:" in message for name in ours):
+            found.append(message.split(".")[0])
+    return found
+
+
 @pytest.mark.parametrize("model_type, class_level", _trace_cases())
 def test_traces_as_one_graph(model_type: str, class_level: bool) -> None:
     from liger_kernel.transformers import liger_kernel_patched
@@ -118,10 +134,14 @@ def test_traces_as_one_graph(model_type: str, class_level: bool) -> None:
         eager_loss = eager(**batch).loss
         eager_loss.backward()
         # fullgraph=True raises torch._dynamo.exc.Unsupported at the first graph break.
-        loss = torch.compile(model, fullgraph=True, backend=capture)(**batch).loss
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = torch.compile(model, fullgraph=True, backend=capture)(**batch).loss
         loss.backward()
 
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    ours = _dynamo_warnings_about_liger(caught)
+    assert not ours, f"Dynamo warned about liger_kernel code while tracing: {ours}"
     assert len(graphs) == 1, f"{len(graphs)} graphs"
     code = _graph_code(graphs[0])
     for kernel, names in EXPECTED_OPS.items():

@@ -28,13 +28,15 @@ MAX_FUSED_BLOCK = 8192
 MAX_BLOCK = 65536
 
 
-@functools.cache
-def is_interpreter() -> bool:
-    """True when Triton executes kernels with its CPU interpreter (``TRITON_INTERPRET=1``).
+# Read at import: Triton itself decides when ``triton.jit`` decorates a kernel (at import), so a
+# later change of the variable could not switch the kernels anyway. A constant rather than a
+# cached function: Dynamo traces this on every patched forward, and warns about a cache wrapper.
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-    Read once: Triton itself decides when ``triton.jit`` decorates a kernel (at import), so
-    a later change of the variable could not switch the kernels anyway."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+def is_interpreter() -> bool:
+    """True when Triton executes kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return _INTERPRETER
 
 
 @functools.cache

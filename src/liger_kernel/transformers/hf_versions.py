@@ -9,19 +9,24 @@ an import is a graph break under ``torch.compile``.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
 import torch
 
+# A plain dict rather than ``functools.cache``: the fused forward reads it under torch.compile,
+# where Dynamo warns about (and traces through) a cache wrapper at every compile.
+_CACHE_KWARG_NAMES: dict[type, str] = {}
 
-@functools.cache
+
 def cache_kwarg_name(base_model_class: type[torch.nn.Module]) -> str:
     """The decoder's name for the KV cache argument: transformers 5.24 renamed
     ``past_key_values`` to ``cache`` (5.17 still uses ``past_key_values``)."""
-    params = inspect.signature(base_model_class.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    name = _CACHE_KWARG_NAMES.get(base_model_class)
+    if name is None:
+        params = inspect.signature(base_model_class.forward).parameters
+        name = _CACHE_KWARG_NAMES[base_model_class] = "cache" if "cache" in params else "past_key_values"
+    return name
 
 
 def output_cache_field(output_class: Any) -> str:
