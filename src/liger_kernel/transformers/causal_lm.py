@@ -385,7 +385,6 @@ def decoder_outputs(model: PreTrainedModel, spec: FusedLossSpec, past_key_values
     ``attention_mask``, ``position_ids``, ``inputs_embeds``, ``use_cache`` and whatever else
     the caller passed), the KV cache under the name the installed decoder takes."""
     base_model = model.get_submodule(spec.decoder_attr or model.base_model_prefix)
-    # (torch's stub gives nn.Module an __hash__ mypy does not take as Hashable.)
     inputs[cache_kwarg_name(type(base_model))] = past_key_values
     recompute = _recompute_wanted(model, spec, inputs.get("input_ids"), inputs.get("inputs_embeds"))
     with recompute_norm_outputs(recompute):
