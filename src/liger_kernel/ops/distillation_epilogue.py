@@ -32,13 +32,13 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.cached_launch import launch_kernel
+from liger_kernel.ops.checks import check_temperature
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.head_epilogue import (
     ENTROPY,
     LSE,
     HeadEpilogueConfig,
     check_logit_transform,
-    check_temperature,
     row_statistics,
     transform_flags,
     transform_logits,

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
-from liger_kernel.ops.checks import check_tensor
+from liger_kernel.ops.checks import check_temperature, check_tensor
 from liger_kernel.ops.chunked_head import (
     _logits,
     autocast_operands,
@@ -55,7 +55,7 @@ from liger_kernel.ops.chunked_head import (
     per_token_row_ranges,
 )
 from liger_kernel.ops.head_chunking import gemm_reduction_precision
-from liger_kernel.ops.head_epilogue import LogitRowStatistics, check_temperature
+from liger_kernel.ops.head_epilogue import LogitRowStatistics
 from liger_kernel.ops.loss_checks import start_target_check
 
 

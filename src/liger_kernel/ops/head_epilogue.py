@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.cached_launch import launch_kernel
+from liger_kernel.ops.checks import check_temperature
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
 from liger_kernel.ops.launch import cdiv, is_interpreter, multiprocessor_count, next_power_of_2
 from liger_kernel.ops.numerics import round_to_dtype, tanh_and_sech2
@@ -316,13 +317,6 @@ def logit_grad_(logits: torch.Tensor, labels: torch.Tensor | None, stats: torch.
                   RAW_SUM_GRAD=raw_sum_grad, BLOCK=block, ROUND_BY_HAND=is_interpreter(),
                   num_warps=config.gradient_warps)
     return logits
-
-
-def check_temperature(temperature: float) -> None:
-    """A softmax temperature must be a finite number > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
 class LogitRowStatistics:
