@@ -90,6 +90,7 @@ def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = 
     return per_token_row_ranges(x, weight, needs)
 
 
+# The optional per-token outputs, in the order they are returned after the log-probabilities.
 TOKEN_STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
@@ -294,10 +295,3 @@ class LigerFusedLinearScaledCrossEntropyFunction:
             raise TypeError("return_entropy must be a bool")
         logp, entropy = fused_linear_logprobs(_input, weight, target, None, temperature, ignore_index)
         return (-logp, entropy) if return_entropy else -logp
-
-
-# --------------------------------------------------------------------------------------
-# Log-probabilities with the per-token statistics of an RL trainer's fused head
-# --------------------------------------------------------------------------------------
-
-# The optional per-token outputs, in the order they are returned after the log-probabilities.
