@@ -11,20 +11,15 @@ from liger_kernel.ops.chunked_head import ChunkedHeadConfig
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.fused_linear_token_divergence import LigerFusedLinearTokenDivergenceFunction
 from tests.ops.test_cross_entropy import assert_grad_close
+from tests.ops.test_fused_linear_logprobs import transformed
 from tests.utils import DEVICE
 
 
-def transformed(z, scale, softcap, temperature):
-    z = z * scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z / temperature
-
-
 def reference(z_s, z_t, beta, temperature, student, teacher):
-    """float64 ``(d, H)`` per row, written from the definitions (no log-space mixture tricks)."""
-    p = torch.softmax(transformed(z_s, *student, temperature), -1)
-    q = torch.softmax(transformed(z_t, *teacher, temperature), -1)
+    """float64 ``(d, H)`` per row, written from the definitions (no log-space mixture tricks);
+    ``student`` and ``teacher`` are ``(logit_scale, softcap)``."""
+    p = torch.softmax(transformed(z_s, temperature, student[1], student[0]), -1)
+    q = torch.softmax(transformed(z_t, temperature, teacher[1], teacher[0]), -1)
 
     def kl(a, b):
         return (a * (a.log() - b.log())).sum(-1)

@@ -38,14 +38,13 @@ import torch
 
 from liger_kernel.chunked_loss.fused_linear_ppo import grads_in_dtypes, one_dtype_head
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
-from liger_kernel.ops.checks import check_tensor
+from liger_kernel.ops.checks import check_temperature, check_tensor
 from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
     save_head_grads,
     scaled_head_grads,
     upstream_loss_gradient,
 )
-from liger_kernel.ops.head_epilogue import check_temperature
 from liger_kernel.ops.loss_checks import start_target_check
 
 

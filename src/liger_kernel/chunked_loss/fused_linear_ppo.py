@@ -46,7 +46,7 @@ import inspect
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, strictly_once_differentiable
-from liger_kernel.ops.checks import check_tensor
+from liger_kernel.ops.checks import check_temperature, check_tensor
 from liger_kernel.ops.chunked_head import (
     chunked_head_loss_and_grads,
     save_head_grads,
@@ -54,7 +54,6 @@ from liger_kernel.ops.chunked_head import (
     upstream_loss_gradient,
 )
 from liger_kernel.ops.fused_linear_logprobs import log_prob_entropy_rows
-from liger_kernel.ops.head_epilogue import check_temperature
 from liger_kernel.ops.loss_checks import start_target_check
 
 

@@ -58,7 +58,13 @@ from liger_kernel.ops.geglu import LigerGELUMulFunction
 from liger_kernel.ops.grad_ownership import hooks_may_see
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 from liger_kernel.ops.rope import TABLES, LigerRopeFunction, RopeLayout
-from liger_kernel.ops.swiglu import GELU_TANH, SILU, LigerGatedDownProjFunction, LigerSiLUMulFunction
+from liger_kernel.ops.swiglu import (
+    GELU_TANH,
+    SILU,
+    LigerGatedDownProjFunction,
+    LigerSiLUMulFunction,
+    eager_experts_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -447,29 +453,18 @@ class LigerGEGLUMLPLayout(_GatedMLPLayout):
 # ------------------------------------------------------------------------------------------
 def experts_loop(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor, use_kernel: bool) -> torch.Tensor:
-    """HF's eager fused-experts loop (``MixtralExperts.forward``, transformers 5.17-5.25) over
+    """HF's eager fused-experts loop (:func:`liger_kernel.ops.swiglu.eager_experts_forward`) over
     ``module.gate_up_proj`` (E, 2I, H; gate first) and ``module.down_proj`` (E, H, I).
-
-    ``hidden_states`` (S, H), ``top_k_index``/``top_k_weights`` (S, K) -> (S, H). An index equal
-    to ``num_experts`` marks a token routed to another (expert-parallel) rank and is skipped.
     ``use_kernel``: ``silu(gate) * up`` by the Liger kernel (as the patching's ``_apply_gate``),
     else by torch.
     """
-    num_experts = module.gate_up_proj.shape[0]
-    final_hidden_states = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for expert_idx in expert_hit:
-        expert_idx = expert_idx[0]
-        if expert_idx == num_experts:
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-        gate, up = F.linear(hidden_states[token_idx], module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-        gated = LigerSiLUMulFunction.apply(gate, up, False) if use_kernel else F.silu(gate) * up
-        expert_out = F.linear(gated, module.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
-        final_hidden_states.index_add_(0, token_idx, expert_out.to(final_hidden_states.dtype))
-    return final_hidden_states
+
+    def apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return LigerSiLUMulFunction.apply(gate, up, False) if use_kernel else F.silu(gate) * up
+
+    return eager_experts_forward(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                                 module.gate_up_proj.shape[0], apply_gate)
 
 
 class LigerSwiGLUExperts(nn.Module):

@@ -18,6 +18,21 @@ def check_tensor(x: object, name: str) -> torch.Tensor:
     return x
 
 
+def check_temperature(temperature: object) -> float:
+    """A softmax temperature: a finite number > 0 (not a bool), returned as a float."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def check_beta(beta: object) -> float:
+    """A divergence's mixing weight: a number in [0, 1] (not a bool), returned as a float."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    return float(beta)
+
+
 def check_in_place(in_place: object) -> bool:
     """``in_place`` as given: a bool. It is the caller's promise that nothing else reads the
     buffer a backward writes over (``docs/api.md``, "Memory ownership"), so a truthy tensor or

@@ -32,19 +32,19 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.cached_launch import launch_kernel
+from liger_kernel.ops.checks import check_temperature
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.head_epilogue import (
     ENTROPY,
     LSE,
     HeadEpilogueConfig,
     check_logit_transform,
-    check_temperature,
     row_statistics,
     transform_flags,
     transform_logits,
     transformed_logits,
 )
-from liger_kernel.ops.launch import is_interpreter
+from liger_kernel.ops.launch import cdiv, is_interpreter, next_power_of_2
 from liger_kernel.ops.numerics import round_to_dtype
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -240,7 +240,7 @@ class GeneralizedJSDRows:
             config = launch_config(HeadEpilogueConfig)
             launch_kernel(_divergence_rows_kernel, (n_rows,), z_s, z_s.stride(0), z_t, z_t.stride(0), lse, rows,
                           n_cols, *self._kernel_options().values(), **self._flags(),
-                          BLOCK=min(config.statistics_block, triton.next_power_of_2(n_cols)),
+                          BLOCK=min(config.statistics_block, next_power_of_2(n_cols)),
                           num_warps=config.statistics_warps)
         columns = [hard, rows[:, 0] * counted]
         if self.entropy:
@@ -255,8 +255,8 @@ class GeneralizedJSDRows:
             return z_s
         coefficients = (grad_q[:, :2].float() * counted.unsqueeze(-1)).contiguous()
         config = launch_config(HeadEpilogueConfig)
-        block = min(config.gradient_block, triton.next_power_of_2(n_cols))
-        launch_kernel(_divergence_grad_kernel, (n_rows, triton.cdiv(n_cols, block)), z_s, z_s.stride(0), z_t,
+        block = min(config.gradient_block, next_power_of_2(n_cols))
+        launch_kernel(_divergence_grad_kernel, (n_rows, cdiv(n_cols, block)), z_s, z_s.stride(0), z_t,
                       z_t.stride(0), lse, rows, hard_lse if hard_lse is not None else lse, ids, coefficients, n_cols,
                       *self._kernel_options().values(), **self._flags(), HARD=self.with_hard_loss, BLOCK=block,
                       ROUND_BY_HAND=is_interpreter(), num_warps=config.gradient_warps)

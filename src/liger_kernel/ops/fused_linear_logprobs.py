@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
-from liger_kernel.ops.checks import check_tensor
+from liger_kernel.ops.checks import check_temperature, check_tensor
 from liger_kernel.ops.chunked_head import (
     _logits,
     autocast_operands,
@@ -55,7 +55,7 @@ from liger_kernel.ops.chunked_head import (
     per_token_row_ranges,
 )
 from liger_kernel.ops.head_chunking import gemm_reduction_precision
-from liger_kernel.ops.head_epilogue import LogitRowStatistics, check_temperature
+from liger_kernel.ops.head_epilogue import LogitRowStatistics
 from liger_kernel.ops.loss_checks import start_target_check
 
 
@@ -90,6 +90,7 @@ def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = 
     return per_token_row_ranges(x, weight, needs)
 
 
+# The optional per-token outputs, in the order they are returned after the log-probabilities.
 TOKEN_STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
@@ -294,10 +295,3 @@ class LigerFusedLinearScaledCrossEntropyFunction:
             raise TypeError("return_entropy must be a bool")
         logp, entropy = fused_linear_logprobs(_input, weight, target, None, temperature, ignore_index)
         return (-logp, entropy) if return_entropy else -logp
-
-
-# --------------------------------------------------------------------------------------
-# Log-probabilities with the per-token statistics of an RL trainer's fused head
-# --------------------------------------------------------------------------------------
-
-# The optional per-token outputs, in the order they are returned after the log-probabilities.

@@ -31,6 +31,7 @@ import contextlib
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
+from liger_kernel.ops.checks import check_beta, check_temperature
 from liger_kernel.ops.chunked_head import (
     _logits,
     check_head_args,
@@ -39,7 +40,7 @@ from liger_kernel.ops.chunked_head import (
 )
 from liger_kernel.ops.distillation_epilogue import GeneralizedJSDRows
 from liger_kernel.ops.head_chunking import gemm_reduction_precision
-from liger_kernel.ops.head_epilogue import check_logit_transform, check_temperature
+from liger_kernel.ops.head_epilogue import check_logit_transform
 
 
 @torch.compiler.disable
@@ -64,8 +65,7 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
     def forward(ctx, x_s, w_s, b_s, x_t, w_t, b_t, beta, temperature=1.0, student_logit_scale=1.0,
                 student_softcap=None, teacher_logit_scale=1.0, teacher_softcap=None, backward_context=None):
         check_temperature(temperature)
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+        check_beta(beta)
         if x_s.dim() != 2 or x_t.dim() != 2 or x_s.shape[0] != x_t.shape[0]:
             raise ValueError(f"student and teacher hidden states must be 2-D with the same rows, got "
                              f"{tuple(x_s.shape)} and {tuple(x_t.shape)}")

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
-from liger_kernel.ops.checks import check_float_dtype, check_tensor
+from liger_kernel.ops.checks import check_float_dtype, check_temperature, check_tensor
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.launch import is_interpreter, is_meta, liger_custom_op
 from liger_kernel.ops.numerics import round_to_dtype
@@ -232,13 +232,6 @@ def _selective_log_softmax_backward_fake(logits, ids, mask, grad_logp, grad_entr
     return logits.new_empty((n_batch, n_positions + extra_positions, n_cols))
 
 
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            0.0 < float(temperature) < float("inf")):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-    return float(temperature)
-
-
 def _check_index_like(t: torch.Tensor | None, shape: torch.Size, name: str, integer: bool) -> None:
     if t is None:
         return
@@ -287,7 +280,7 @@ class LigerSelectiveLogSoftmaxFunction(torch.autograd.Function):
         if input_ids is None and not compute_entropy:
             raise ValueError("give input_ids, compute_entropy=True, or both")
         check_devices([("logits", logits), ("input_ids", input_ids), ("mask", mask)])
-        temperature = _check_temperature(temperature)
+        temperature = check_temperature(temperature)
         if drop_last_position and (logits.dim() != 3 or logits.shape[1] < 1):
             raise ValueError(f"drop_last_position needs logits (B, L + 1, V), got shape {tuple(logits.shape)}")
         lead = logits.shape[:-1] if not drop_last_position else (logits.shape[0], logits.shape[1] - 1)

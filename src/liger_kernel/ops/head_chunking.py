@@ -36,7 +36,7 @@ class HeadChunkConfig(FixedLaunchConfig):
     ``budget_fraction`` of the call's gradient bytes (dX + dW), but at least
     ``min_budget_bytes``, is the budget of one (C, V) logits chunk; ``budget_bytes``, when set,
     replaces both (the caller's memory budget). At the N = 8192, D = 4096, V = 128256 bf16
-    target shape the gradients take 1066 MiB; three quarters of it hold 3197 rows, so three
+    target shape the gradients take 1066 MiB; three quarters of it hold 3268 rows, so three
     balanced chunks of 2752: dW is re-read and re-written twice instead of twenty times
     (``docs/performance.md``), at a peak of 1.66x the gradients' bytes. ``row_multiple`` rounds the rows of chunks that large;
     ``max_chunk_rows`` caps them (None: no cap), e.g. to cross many chunk boundaries on small

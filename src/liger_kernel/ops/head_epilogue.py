@@ -46,8 +46,9 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.cached_launch import launch_kernel
+from liger_kernel.ops.checks import check_temperature
 from liger_kernel.ops.config import FixedLaunchConfig, launch_config
-from liger_kernel.ops.launch import is_interpreter, multiprocessor_count
+from liger_kernel.ops.launch import cdiv, is_interpreter, multiprocessor_count, next_power_of_2
 from liger_kernel.ops.numerics import round_to_dtype, tanh_and_sech2
 
 # Columns of the statistics buffer (R, STAT_COLUMNS) float32 and of the coefficient buffer
@@ -280,11 +281,11 @@ def row_statistics(logits: torch.Tensor, labels: torch.Tensor | None, *, tempera
     n_labels = 0 if labels is None else labels.shape[1]
     labels_arg = labels if labels is not None else stats
     config = launch_config(HeadEpilogueConfig)
-    block = min(config.statistics_block, triton.next_power_of_2(n_cols))
+    block = min(config.statistics_block, next_power_of_2(n_cols))
     wanted = max(1, config.statistics_programs_per_sm * multiprocessor_count(logits.device) // n_rows)
-    n_splits = min(wanted, triton.cdiv(n_cols, block))
-    span = triton.cdiv(triton.cdiv(n_cols, n_splits), block) * block
-    n_splits = triton.cdiv(n_cols, span)
+    n_splits = min(wanted, cdiv(n_cols, block))
+    span = cdiv(cdiv(n_cols, n_splits), block) * block
+    n_splits = cdiv(n_cols, span)
     partials = torch.empty((n_rows, n_splits, PARTIAL_COLUMNS), device=logits.device, dtype=torch.float32)
     launch_kernel(_row_statistics_kernel, (n_rows, n_splits), logits, logits.stride(0), labels_arg,
                   labels.stride(0) if labels is not None else 0, stats, partials, n_cols, span, float(scale),
@@ -308,21 +309,14 @@ def logit_grad_(logits: torch.Tensor, labels: torch.Tensor | None, stats: torch.
         return logits
     n_labels = 0 if labels is None else labels.shape[1]
     config = launch_config(HeadEpilogueConfig)
-    block = min(config.gradient_block, triton.next_power_of_2(n_cols))
-    launch_kernel(_logit_grad_kernel, (n_rows, triton.cdiv(n_cols, block)), logits, logits.stride(0),
+    block = min(config.gradient_block, next_power_of_2(n_cols))
+    launch_kernel(_logit_grad_kernel, (n_rows, cdiv(n_cols, block)), logits, logits.stride(0),
                   labels if labels is not None else stats, labels.stride(0) if labels is not None else 0, stats,
                   coefficients, n_cols, float(scale), float(softcap or 1.0), 1.0 / temperature,
                   N_LABELS=n_labels, **transform_flags(scale, softcap), ENTROPY_GRAD=entropy_grad,
                   RAW_SUM_GRAD=raw_sum_grad, BLOCK=block, ROUND_BY_HAND=is_interpreter(),
                   num_warps=config.gradient_warps)
     return logits
-
-
-def check_temperature(temperature: float) -> None:
-    """A softmax temperature must be a finite number > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
 class LogitRowStatistics:

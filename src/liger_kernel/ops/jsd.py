@@ -40,6 +40,7 @@ import triton.language as tl
 
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
 from liger_kernel.ops.cached_launch import launch_kernel
+from liger_kernel.ops.checks import check_beta
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.launch import is_interpreter, is_meta, liger_custom_op
 from liger_kernel.ops.loss_options import check_ignore_index
@@ -178,12 +179,6 @@ def jsd_forward(
 def _jsd_forward_fake(input, target, labels, beta, ignore_index, compute_input_grad, compute_target_grad):
     loss = input.new_empty((), dtype=torch.float32)
     return loss, gradient_buffer(input, compute_input_grad), gradient_buffer(target, compute_target_grad)
-
-
-def check_beta(beta: object) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= float(beta) <= 1.0:
-        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
-    return float(beta)
 
 
 class LigerJSDFunction(torch.autograd.Function):

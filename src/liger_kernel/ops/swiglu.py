@@ -59,6 +59,7 @@ right shape and dtype (nothing is launched).
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import ClassVar, Tuple
 
@@ -561,3 +562,29 @@ class LigerGatedDownProjFunction(torch.autograd.Function):
 
 
 _GATED_DOWN_PROJ_GRADS = InputGradients(LigerGatedDownProjFunction.forward)
+
+
+def eager_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, num_experts: int,
+                          apply_gate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """HF's eager fused-experts loop (``MixtralExperts.forward``, transformers 5.17-5.25).
+
+    ``hidden_states`` (S, H), ``top_k_index``/``top_k_weights`` (S, K) -> (S, H), with
+    ``gate_up_proj`` (E, 2I, H; gate first) and ``down_proj`` (E, H, I). ``apply_gate`` maps an
+    expert's (tokens, 2I) gate-up projection to its (tokens, I) activation (``act(gate) * up``).
+    An index equal to ``num_experts`` marks a token routed to another (expert-parallel) rank and
+    is skipped; transformers 5.17 never emits it.
+    """
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        gated = apply_gate(torch.nn.functional.linear(hidden_states[token_idx], gate_up_proj[expert_idx]))
+        expert_out = torch.nn.functional.linear(gated, down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, expert_out.to(final_hidden_states.dtype))
+    return final_hidden_states

@@ -98,7 +98,7 @@ def shift_causal_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) 
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+def causal_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
     """The (B, T) targets of the positions: ``shift_labels`` as given, else ``labels`` shifted."""
     if shift_labels is not None:
         return shift_labels
@@ -107,7 +107,8 @@ def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ign
     return shift_causal_labels(labels, ignore_index)
 
 
-def _divide_by_items(loss: torch.Tensor, num_items_in_batch: torch.Tensor | int) -> torch.Tensor:
+def divide_by_items(loss: torch.Tensor, num_items_in_batch: torch.Tensor | int) -> torch.Tensor:
+    """``loss / num_items_in_batch`` (a tensor count moved to the loss's device first)."""
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
@@ -130,7 +131,7 @@ def liger_causal_lm_loss(
     """
     from liger_kernel.transformers.cross_entropy import liger_cross_entropy
 
-    targets = _targets(labels, shift_labels, ignore_index)
+    targets = causal_targets(labels, shift_labels, ignore_index)
     reduction = "sum" if num_items_in_batch is not None else "mean"
     # No z-loss or accuracy asked for: the loss alone, a tensor.
     loss = cast(torch.Tensor, liger_cross_entropy(
@@ -143,7 +144,7 @@ def liger_causal_lm_loss(
         loss_dtype=torch.float32,  # HF upcasts the logits, so its loss is float32
     ))
     if num_items_in_batch is not None:
-        loss = _divide_by_items(loss, num_items_in_batch)
+        loss = divide_by_items(loss, num_items_in_batch)
     return loss
 
 
@@ -156,7 +157,7 @@ def _zero_if_nothing_counted(
     ``torch.where`` keeps the graph (the gradient is zero, no NaN: every row is ignored) and
     needs no device sync, so it also traces under ``torch.compile``.
     """
-    counted = (_targets(labels, shift_labels, ignore_index) != ignore_index).any().to(loss.device)
+    counted = (causal_targets(labels, shift_labels, ignore_index) != ignore_index).any().to(loss.device)
     return torch.where(counted, loss, torch.zeros_like(loss))
 
 
@@ -457,7 +458,7 @@ def fused_loss(lm_head: torch.nn.Module, features: torch.Tensor, inputs: Forward
     """Step 4, fused: the loss of ``features`` (B, kept, H) (or (num_true, H) for a boolean
     ``logits_to_keep``) through ``lm_head`` without materialising the logits. Raises
     ``ValueError`` when the targets do not match the kept positions."""
-    shift_labels = _targets(inputs.labels, inputs.shift_labels, inputs.ignore_index)
+    shift_labels = causal_targets(inputs.labels, inputs.shift_labels, inputs.ignore_index)
     kept = features.shape[:-1]
     # (batch, positions) targets for (batch, positions) kept; a boolean logits_to_keep
     # mask keeps (num_true,) rows, matched like HF's loss does: by the flattened count.
@@ -480,7 +481,7 @@ def fused_loss(lm_head: torch.nn.Module, features: torch.Tensor, inputs: Forward
         softcap=transform.softcap,
     )
     if inputs.num_items_in_batch is not None:
-        loss = _divide_by_items(loss, inputs.num_items_in_batch)
+        loss = divide_by_items(loss, inputs.num_items_in_batch)
     return loss
 
 

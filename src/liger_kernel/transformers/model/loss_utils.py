@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from liger_kernel.transformers.causal_lm import IGNORE_INDEX, shift_causal_labels
+from liger_kernel.transformers.causal_lm import IGNORE_INDEX, causal_targets, divide_by_items
 from liger_kernel.transformers.fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 
 __all__ = ["LigerForCausalLMLoss"]
@@ -44,10 +44,7 @@ def LigerForCausalLMLoss(  # the callers' name
     ``use_token_scaling``, ``return_token_accuracy``, ...) are passed on; others (the
     Trainer's loss kwargs) are ignored. Returns what that function returns.
     """
-    if shift_labels is None:
-        if labels is None:
-            raise ValueError("LigerForCausalLMLoss needs labels or shift_labels")
-        shift_labels = shift_causal_labels(labels, ignore_index)
+    shift_labels = causal_targets(labels, shift_labels, ignore_index)
     options = {name: value for name, value in kwargs.items() if name in _LOSS_PARAMETERS}
     options.pop("reduction", None)
     reduction = "sum" if num_items_in_batch is not None else "mean"
@@ -57,9 +54,7 @@ def LigerForCausalLMLoss(  # the callers' name
                                               reduction=reduction, **options)
     if num_items_in_batch is None:
         return result
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(hidden.device)
     if isinstance(result, torch.Tensor):
-        return result / num_items_in_batch
-    z_loss = None if result.z_loss is None else result.z_loss / num_items_in_batch
-    return result._replace(loss=result.loss / num_items_in_batch, z_loss=z_loss)
+        return divide_by_items(result, num_items_in_batch)
+    z_loss = None if result.z_loss is None else divide_by_items(result.z_loss, num_items_in_batch)
+    return result._replace(loss=divide_by_items(result.loss, num_items_in_batch), z_loss=z_loss)

@@ -126,28 +126,12 @@ def liger_apply_gate(self: nn.Module, gate_up_out: Any) -> Any:
 
 
 def _eager_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-    """HF's eager fused-experts loop, with the gate applied through ``self._apply_gate``.
+    """HF's eager fused-experts loop (:func:`liger_kernel.ops.swiglu.eager_experts_forward`), with
+    the gate applied through ``self._apply_gate``."""
+    from liger_kernel.ops.swiglu import eager_experts_forward
 
-    ``hidden_states`` (S, H), ``top_k_index``/``top_k_weights`` (S, K). The same steps as
-    ``MixtralExperts.forward`` (transformers 5.17-5.25): an index equal to ``num_experts``
-    marks a token routed to another (expert-parallel) rank and is skipped; 5.17 never emits it.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    final_hidden_states = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for expert_idx in expert_hit:
-        expert_idx = expert_idx[0]
-        if expert_idx == self.num_experts:
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-        gated = self._apply_gate(F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]))
-        expert_out = F.linear(gated, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
-        final_hidden_states.index_add_(0, token_idx, expert_out.to(final_hidden_states.dtype))
-    return final_hidden_states
+    return eager_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                 self.num_experts, self._apply_gate)
 
 
 def liger_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
