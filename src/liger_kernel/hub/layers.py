@@ -56,6 +56,7 @@ from torch import nn
 
 from liger_kernel.ops.geglu import LigerGELUMulFunction
 from liger_kernel.ops.grad_ownership import hooks_may_see
+from liger_kernel.ops.module_attributes import child_module, tensor_attribute
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 from liger_kernel.ops.rope import TABLES, LigerRopeFunction, RopeLayout
 from liger_kernel.ops.swiglu import (
@@ -138,15 +139,14 @@ def _rms_norm_plan(module: nn.Module, x: torch.Tensor) -> _NormPlan | None:
         return None
     key = (type(module), x.dtype, weight.dtype, x.device.type, weight.shape[0])
     if key not in _NORM_PLANS:
-        _NORM_PLANS[key] = _probe_rms_norm(module, x)
+        _NORM_PLANS[key] = _probe_rms_norm(module, weight, x)
         if _NORM_PLANS[key] is None:
             logger.warning("%s: no Liger RMSNorm mode equals its forward on a probe; keeping its own forward.",
                            type(module).__name__)
     return _NORM_PLANS[key]
 
 
-def _probe_rms_norm(module: nn.Module, x: torch.Tensor) -> _NormPlan | None:
-    weight = module.weight
+def _probe_rms_norm(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> _NormPlan | None:
     if weight.is_meta or x.is_meta:
         return None
     generator = torch.Generator().manual_seed(0)
@@ -331,17 +331,22 @@ def gated_mlp(module: nn.Module, x: torch.Tensor, activation: int) -> torch.Tens
     or ``GELU_TANH``), ``gate, up = gate_proj(x), up_proj(x)`` or ``gate_up_proj(x).chunk(2, -1)``
     (gate first), fused with a plain ``nn.Linear`` down projection as
     :func:`liger_kernel.transformers.swiglu.gated_down_projection` does."""
+    projections: tuple[nn.Module, ...]
     if "gate_up_proj" in module._modules:
-        projections = (module.gate_up_proj,)
-        gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up_proj = child_module(module, "gate_up_proj")
+        projections = (gate_up_proj,)
+        gate, up = gate_up_proj(x).chunk(2, dim=-1)
     else:
-        projections = (module.gate_proj, module.up_proj)
-        gate, up = module.gate_proj(x), module.up_proj(x)
+        gate_proj, up_proj = child_module(module, "gate_proj"), child_module(module, "up_proj")
+        projections = (gate_proj, up_proj)
+        gate, up = gate_proj(x), up_proj(x)
     # The activations are this module's own projection outputs: private unless a hook sees them.
     in_place = not any(hooks_may_see(projection) for projection in projections)
-    down = module.down_proj
-    if _plain_linear(down) and down.weight.device == gate.device:
-        return LigerGatedDownProjFunction.apply(gate, up, down.weight, down.bias, activation, in_place)
+    down = child_module(module, "down_proj")
+    if _plain_linear(down):
+        weight, bias = tensor_attribute(down, "weight"), down.bias
+        if weight.device == gate.device:
+            return LigerGatedDownProjFunction.apply(gate, up, weight, bias, activation, in_place)
     function = LigerSiLUMulFunction if activation == SILU else LigerGELUMulFunction
     return down(function.apply(gate, up, in_place))
 
@@ -458,13 +463,13 @@ def experts_loop(module: nn.Module, hidden_states: torch.Tensor, top_k_index: to
     ``use_kernel``: ``silu(gate) * up`` by the Liger kernel (as the patching's ``_apply_gate``),
     else by torch.
     """
-
     def apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return LigerSiLUMulFunction.apply(gate, up, False) if use_kernel else F.silu(gate) * up
 
-    return eager_experts_forward(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
-                                 module.gate_up_proj.shape[0], apply_gate)
+    gate_up_proj = tensor_attribute(module, "gate_up_proj")
+    return eager_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj,
+                                 tensor_attribute(module, "down_proj"), gate_up_proj.shape[0], apply_gate)
 
 
 class LigerSwiGLUExperts(nn.Module):

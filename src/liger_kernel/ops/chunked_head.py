@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import overload
 
 import torch
 
@@ -272,6 +273,10 @@ def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_
     return ChunkPlan(False, tuple((r,) for r in balanced_ranges(n_rows, chunk_rows)), ())
 
 
+@overload
+def _as_float64(q: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _as_float64(q: None) -> None: ...
 def _as_float64(q: torch.Tensor | None) -> torch.Tensor | None:
     # Sequence-level math runs on (G, T, K) tensors, negligible next to the logits: float64
     # there keeps cancellations such as 1 - sigmoid(9) (KTO, APO) from costing float32 digits.
@@ -544,14 +549,17 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
 
 
 def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, batch_shape, grads):
-    q_parts, q_ref_parts = [], []
+    q_parts: list[torch.Tensor] = []
+    q_ref_parts: list[torch.Tensor] = []  # stays empty without a second head's quantities
     for row_ranges in plan.row_ranges:
         targs = [_gather(t, row_ranges) for t in rows.token_args]
         q_parts.append(_quantities(token_fn, rows.logits(row_ranges), (*rows.token_fn_ref_args(row_ranges),
                                                                               *targs)))
-        q_ref_parts.append(rows.ref_quantities(row_ranges, token_fn, targs))
+        q_ref_part = rows.ref_quantities(row_ranges, token_fn, targs)
+        if q_ref_part is not None:
+            q_ref_parts.append(q_ref_part)
     q_all = torch.cat(q_parts).view(*batch_shape, -1)
-    q_ref = torch.cat(q_ref_parts).view(*batch_shape, -1) if q_ref_parts[0] is not None else None
+    q_ref = torch.cat(q_ref_parts).view(*batch_shape, -1) if q_ref_parts else None
     with torch.enable_grad():
         q_all.requires_grad_(True)
         loss, metrics = group_fn(_as_float64(q_all), _as_float64(q_ref), *group_args)

@@ -128,7 +128,7 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, target: torch
             del chunk_buffer
     if grad_weight_needed and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias_needed:
+    if grad_bias_needed and bias is not None:  # callers ask for grad_bias only with a bias
         grad_bias = grad_bias.to(bias.dtype)
     return loss_rows, z_rows, correct_rows, n_counted, grad_input, grad_weight, grad_bias
 

@@ -43,15 +43,15 @@ def check_ignore_index(ignore_index: object) -> int:
     given in the wrong place."""
     if isinstance(ignore_index, torch.Tensor):
         dtype = ignore_index.dtype
-        integral = ignore_index.dim() == 0 and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if ignore_index.dim() == 0 and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            return int(ignore_index)
         described = f"a tensor of dtype {dtype} and shape {tuple(ignore_index.shape)}"
+    elif isinstance(ignore_index, numbers.Integral) and not isinstance(ignore_index, bool):
+        return int(ignore_index)
     else:
-        integral = isinstance(ignore_index, numbers.Integral) and not isinstance(ignore_index, bool)
         described = f"{type(ignore_index).__name__} {ignore_index!r}"
-    if not integral:
-        raise TypeError(f"ignore_index must be an integer class index (an int or a 0-dim integer tensor), "
-                        f"got {described}")
-    return int(ignore_index)
+    raise TypeError(f"ignore_index must be an integer class index (an int or a 0-dim integer tensor), "
+                    f"got {described}")
 
 
 @dataclasses.dataclass(frozen=True)

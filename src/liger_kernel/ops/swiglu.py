@@ -225,7 +225,7 @@ def _launch_geometry(n_rows: int, n_cols: int) -> Tuple[GatedActivationConfig, i
     return config, cdiv(n_rows, config.block_rows) * cdiv(n_cols, config.block_cols)
 
 
-def check_gated_args(a: object, b: object) -> None:
+def check_gated_args(a: torch.Tensor, b: torch.Tensor) -> None:
     """Raise ``TypeError``/``ValueError`` naming the offending argument."""
     check_tensor(a, "a")
     check_tensor(b, "b")
@@ -266,14 +266,16 @@ def _mutually_disjoint(x: torch.Tensor, y: torch.Tensor) -> bool:
         return True
     n_rows, n_cols = x.shape
 
-    def extent(v: torch.Tensor) -> tuple[int, int]:
-        start = v.storage_offset()
+    # Only called outside compiled code, where storage offsets are plain ints.
+    x_offset, y_offset = int(x.storage_offset()), int(y.storage_offset())
+
+    def extent(v: torch.Tensor, start: int) -> tuple[int, int]:
         return start, start + (n_rows - 1) * v.stride(0) + n_cols
 
-    (x_start, x_end), (y_start, y_end) = extent(x), extent(y)
+    (x_start, x_end), (y_start, y_end) = extent(x, x_offset), extent(y, y_offset)
     if x_end <= y_start or y_end <= x_start:
         return True
-    shift = y.storage_offset() - x.storage_offset()
+    shift = y_offset - x_offset
     if n_rows <= 1:
         return abs(shift) >= n_cols
     period = x.stride(0)

@@ -47,11 +47,18 @@ This module needs only torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 from torch import nn
 
+from liger_kernel.ops.module_attributes import set_attribute
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor as DTensorType
+
+DTensor: type[torch.Tensor] | None
+FSDPModule: type | None
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without distributed support
@@ -67,7 +74,7 @@ except ImportError:  # torch < 2.6 keeps FSDP2 under its private name; or no dis
 T = TypeVar("T")
 
 
-def _is_dtensor(tensor: torch.Tensor | None) -> bool:
+def _is_dtensor(tensor: torch.Tensor | None) -> TypeGuard[DTensorType]:
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
@@ -140,11 +147,11 @@ def call_with_full_parameters(module: nn.Module, fn: Callable[..., T], *args: An
     """
     if accelerate_hooked(module):
         original = module.__dict__["_old_forward"]
-        module._old_forward = lambda *call_args, **call_kwargs: fn(module, *call_args, **call_kwargs)
+        set_attribute(module, "_old_forward", lambda *call_args, **call_kwargs: fn(module, *call_args, **call_kwargs))
         try:
             return module(*args, **kwargs)
         finally:
-            module._old_forward = original
+            set_attribute(module, "_old_forward", original)
     if not parameters_are_sharded(module):
         return fn(module, *args, **kwargs)
 

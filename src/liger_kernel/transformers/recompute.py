@@ -157,7 +157,8 @@ class _Session:
         outputs = self.outputs
 
         def pack(t: torch.Tensor):
-            entry = outputs.get(_address_key(t)) if outputs else None
+            key = _address_key(t) if outputs else None
+            entry = outputs.get(key) if key is not None else None
             if entry is not None:
                 y, recipe, version = entry[0](), entry[1], entry[2]
                 # A live y owns this memory, so a tensor starting at its address with its dtype
@@ -240,13 +241,18 @@ def recomputing() -> bool:
     return bool(_ACTIVE) and _current_session() is not None
 
 
+def _saved_tensors_hooks_enabled() -> bool:
+    """False inside ``torch.autograd.graph.disable_saved_tensors_hooks`` (torch.func transforms)."""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]  # not in torch's stubs
+
+
 @contextlib.contextmanager
 def recompute_norm_outputs(enabled: bool = True) -> Iterator[None]:
     """Within this context, autograd saves Liger norm outputs as recipes (see the module docstring):
     those saved inside modules hooked by :func:`hook_norm_consumers` whose first input is a
     norm output registered here."""
     if (not enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
+            or not _saved_tensors_hooks_enabled()):
         yield
         return
     session = _Session()
@@ -264,11 +270,14 @@ def _consumer_pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if not _ACTIVE or not args:
         return
     session = _current_session()
-    if session is None or not session.outputs or session.outputs.get(_address_key(args[0])) is None:
+    if session is None or not session.outputs:
+        return
+    key = _address_key(args[0])
+    if key is None or key not in session.outputs:
         return
     # Code that disabled saved-tensor hooks since the context began (torch.func transforms)
     # would make the push raise; code that pushed its own (checkpointing) owns the saving.
-    if (not torch.is_grad_enabled() or not torch._C._autograd._saved_tensors_hooks_is_enabled()
+    if (not torch.is_grad_enabled() or not _saved_tensors_hooks_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) != session.outer):
         return
     torch._C._autograd._push_saved_tensors_default_hooks(session.pack, session.unpack)
