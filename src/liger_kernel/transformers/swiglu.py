@@ -14,7 +14,7 @@ Needs only torch and triton.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -75,7 +75,13 @@ def gated_down_projection(down_proj: nn.Module, a: torch.Tensor, b: torch.Tensor
 _PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj")
 
 
-def gated_in_place(mlp: nn.Module) -> bool:
+class ModuleWithChildren(Protocol):
+    """A module, or a stand-in for one, as :func:`gated_in_place` reads it: its registered children."""
+
+    _modules: dict[str, nn.Module | None]
+
+
+def gated_in_place(mlp: ModuleWithChildren) -> bool:
     """Whether a gated MLP's backward may write the gate/up gradients over the gate/up
     activations at this call: its ``in_place`` setting (default True: the activations are
     outputs of its own projections, handed to nobody) while no hook can see them, i.e. no hook

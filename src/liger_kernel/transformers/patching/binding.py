@@ -26,7 +26,11 @@ from typing import Any
 
 from torch import nn
 
+from liger_kernel.ops.module_attributes import set_attribute
+
 logger = logging.getLogger(__name__)
+
+_RECIPE_ATTRIBUTE = "_liger_recipe"
 
 # (original class, sorted method overrides) -> the subclass instances are switched to.
 _INSTANCE_CLASSES: dict[tuple[type, tuple[tuple[str, Callable], ...]], type] = {}
@@ -35,13 +39,13 @@ _INSTANCE_CLASSES: dict[tuple[type, tuple[tuple[str, Callable], ...]], type] = {
 def set_recipe(fn: Callable, builder: Callable, *args: Any) -> Callable:
     """Record on the built function ``fn`` that ``builder(*args)`` rebuilds it (for pickling);
     ``builder`` must be importable by name and ``args`` picklable. Returns ``fn``."""
-    fn._liger_recipe = (builder, args)
+    setattr(fn, _RECIPE_ATTRIBUTE, (builder, args))
     return fn
 
 
 def recipe_of(fn: Callable) -> tuple[Callable, tuple[Any, ...]] | None:
     """The ``(builder, args)`` recorded by :func:`set_recipe`, or None for a plain function."""
-    recipe = getattr(fn, "_liger_recipe", None)
+    recipe = getattr(fn, _RECIPE_ATTRIBUTE, None)
     return recipe if isinstance(recipe, tuple) and len(recipe) == 2 else None
 
 
@@ -68,7 +72,8 @@ def _reduce_instance_patched(self: nn.Module, protocol: int) -> Any:
     loading it rebuilds the subclass (the cached one when it exists, so ``deepcopy`` keeps
     the class).
     """
-    owner = next(cls for cls in type(self).__mro__ if "_liger_overrides" in vars(cls))
+    # The class _instance_class made (a subclass of the module's class): the first holding overrides.
+    owner = next(cls for cls in type(self).__mro__ if "_liger_overrides" in vars(cls) and issubclass(cls, nn.Module))
     reduced = super(owner, self).__reduce_ex__(protocol)
     # copyreg.__newobj__(cls, *args) (protocol >= 2) or copyreg._reconstructor(cls, ...); a
     # reduction that does not start with this class (a base's own __reduce__, or a further
@@ -86,8 +91,17 @@ def _rebuild_instance_patched(
     factory: Callable[..., Any], args: tuple[Any, ...],
 ) -> nn.Module:
     """Inverse of :func:`_reduce_instance_patched`: ``factory(<patched subclass of base>, *args)``."""
-    overrides = {name: fn if recipe is None else recipe[0](*recipe[1]) for name, fn, recipe in recipes}
+    overrides = {name: _rebuilt_override(fn, recipe) for name, fn, recipe in recipes}
     return factory(_instance_class(base, overrides), *args)
+
+
+def _rebuilt_override(fn: Callable | None, recipe: tuple[Callable, tuple[Any, ...]] | None) -> Callable:
+    """An override as :func:`_reduce_instance_patched` stored it: the function, or its recipe rebuilt."""
+    if recipe is not None:
+        return recipe[0](*recipe[1])
+    if fn is None:
+        raise TypeError("a pickled Liger-patched module names an override with neither a function nor a recipe")
+    return fn
 
 
 def bind_method(module: nn.Module, name: str, fn: Callable) -> None:
@@ -101,7 +115,7 @@ def bind_method(module: nn.Module, name: str, fn: Callable) -> None:
             # An accelerate hook (device_map dispatch, offload) calls module._old_forward
             # between its pre- and post-forward: route that call to the patched method. (The
             # hook's own partial already holds the module in a cycle.)
-            module._old_forward = types.MethodType(fn, module)
+            set_attribute(module, "_old_forward", types.MethodType(fn, module))
         else:
             logger.warning("%s has an instance-level %r that shadows the Liger patch; it keeps that one",
                            base.__name__, name)
@@ -158,11 +172,11 @@ def with_global_overrides(fn: Callable, overrides: dict[str, Any] | tuple[tuple[
         fn_globals = {name: value for name, value in {**fn_globals, **dict(items)}.items() if name != "__name__"}
     new_fn = types.FunctionType(fn.__code__, fn_globals, fn.__name__, fn.__defaults__, closure)
     new_fn.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
-    functools.update_wrapper(new_fn, fn)
+    wrapper = functools.update_wrapper(new_fn, fn)  # new_fn itself, typed with the __wrapped__ it set
     if inner is not None:
-        new_fn.__wrapped__ = new_inner
+        wrapper.__wrapped__ = new_inner
     else:
-        del new_fn.__wrapped__
+        del wrapper.__wrapped__
     set_recipe(new_fn, with_global_overrides, fn, items)
     _REBOUND[key] = new_fn
     return new_fn

@@ -30,12 +30,13 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from liger_kernel.ops.module_attributes import child_module, tensor_attribute
 from liger_kernel.transformers.causal_lm import text_config_of
 
 logger = logging.getLogger(__name__)
@@ -141,13 +142,16 @@ def is_norm_candidate(module: nn.Module) -> bool:
 
 def _liger_norm_output(module: nn.Module, plan: NormPlan, x: torch.Tensor) -> torch.Tensor:
     eps = norm_epsilon(module)
+    if eps is None:  # is_norm_candidate admits only norms with one
+        raise ValueError(f"{type(module).__name__} has no epsilon")
+    weight = tensor_attribute(module, "weight")
     if plan.kind == "layer_norm":
         from liger_kernel.transformers.layer_norm import liger_layer_norm
 
-        return liger_layer_norm(x, module.weight, getattr(module, "bias", None), eps, in_place=False)
+        return liger_layer_norm(x, weight, getattr(module, "bias", None), eps, in_place=False)
     from liger_kernel.transformers.rms_norm import liger_rms_norm
 
-    return liger_rms_norm(x, module.weight, eps, plan.offset, plan.casting_mode, in_place=False)
+    return liger_rms_norm(x, weight, eps, plan.offset, plan.casting_mode, in_place=False)
 
 
 def _norm_candidates(module: nn.Module) -> list[NormPlan]:
@@ -161,7 +165,7 @@ def _norm_candidates(module: nn.Module) -> list[NormPlan]:
 
 
 def _norm_key(module: nn.Module) -> tuple:
-    return (type(module), tuple(module.weight.shape), norm_epsilon(module),
+    return (type(module), tuple(tensor_attribute(module, "weight").shape), norm_epsilon(module),
             getattr(module, "bias", None) is not None, _probe_dtype(module))
 
 
@@ -192,7 +196,7 @@ def _probe_norm_uncached(module: nn.Module) -> NormPlan | str:
     with torch.no_grad():
         for param in probe.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.3)
-    hidden = module.weight.shape[0]
+    hidden = tensor_attribute(module, "weight").shape[0]
     x = (torch.randn(2, 5, hidden, generator=generator) * 2.0).to(device)
     errors = []
     with torch.no_grad():
@@ -203,15 +207,15 @@ def _probe_norm_uncached(module: nn.Module) -> NormPlan | str:
         if not isinstance(reference, torch.Tensor) or reference.shape != x.shape:
             return "its forward does not return one tensor of the input's shape"
         for plan in _norm_candidates(probe):
-            equal, error = close_enough(_liger_norm_output(probe, plan, x), reference)
-            errors.append(f"{plan.kind}(offset={plan.offset}) {error:.1e}")
+            equal, difference = close_enough(_liger_norm_output(probe, plan, x), reference)
+            errors.append(f"{plan.kind}(offset={plan.offset}) {difference:.1e}")
             if equal:
                 if dtype != torch.float32:
                     low = probe.to(dtype)
                     x_low = x.to(dtype)
-                    equal, error = close_enough(_liger_norm_output(low, plan, x_low), low(x_low))
+                    equal, difference = close_enough(_liger_norm_output(low, plan, x_low), low(x_low))
                     if not equal:
-                        return f"matches {plan.kind} in fp32 but not in {dtype} (error {error:.1e})"
+                        return f"matches {plan.kind} in fp32 but not in {dtype} (error {difference:.1e})"
                 return plan
     return "computes neither RMSNorm nor LayerNorm (relative errors: " + ", ".join(errors) + ")"
 
@@ -269,7 +273,19 @@ def mlp_layout(module: nn.Module) -> str | None:
     return None
 
 
-def liger_mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+class DiscoveredMLP(Protocol):
+    """What :func:`liger_mlp_forward` reads off a discovered gated MLP (or the probe's proxy of
+    one): ``gate_up_proj``, or ``gate_proj`` and ``up_proj``, whichever ``_modules`` holds."""
+
+    _liger_activation: str
+    _modules: dict[str, nn.Module | None]
+    gate_up_proj: nn.Module
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+
+
+def liger_mlp_forward(self: DiscoveredMLP, hidden_states: torch.Tensor) -> torch.Tensor:
     """``down_proj(act(gate) * up)`` of a discovered gated MLP with the Liger gated kernel.
 
     ``self._liger_activation`` (set by the patch) names the activation its probe proved:
@@ -327,7 +343,7 @@ def _probe_mlp_uncached(module: nn.Module, layout: str) -> MLPPlan | str:
     if device is None:
         return "parameters not materialised (meta device)"
     module = on_probe_device(module, device)
-    hidden = module.down_proj.weight.shape[0]
+    hidden = tensor_attribute(child_module(module, "down_proj"), "weight").shape[0]
     dtype = _probe_dtype(module)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, hidden, generator=generator).to(device=device, dtype=dtype)
@@ -354,9 +370,9 @@ def _probe_mlp_uncached(module: nn.Module, layout: str) -> MLPPlan | str:
             return f"the Liger gated MLP failed on its probe: {type(error).__name__}: {error}"
     if not isinstance(reference, torch.Tensor):
         return "its forward does not return one tensor"
-    equal, error = close_enough(result, reference)
+    equal, difference = close_enough(result, reference)
     if not equal:
-        return f"differs from {activation}(gate) * up through down_proj (relative error {error:.1e})"
+        return f"differs from {activation}(gate) * up through down_proj (relative error {difference:.1e})"
     return MLPPlan(layout, activation)
 
 
@@ -381,8 +397,8 @@ _EXPERTS_PROBES: dict[tuple, str | None] = {}
 
 def probe_experts(module: nn.Module) -> str | None:
     """None when ``module``'s forward equals the Liger-activation experts forward, else why not."""
-    key = (type(module), tuple(module.gate_up_proj.shape), getattr(getattr(module, "config", None),
-                                                                   "_experts_implementation", None))
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    key = (type(module), tuple(tensor_attribute(module, "gate_up_proj").shape), implementation)
     if key not in _EXPERTS_PROBES:
         _EXPERTS_PROBES[key] = _probe_experts_uncached(module)
     return _EXPERTS_PROBES[key]
@@ -397,7 +413,7 @@ def _probe_experts_uncached(module: nn.Module) -> str | None:
     if device is None:
         return "parameters not materialised (meta device)"
     module = on_probe_device(module, device)
-    experts, _, hidden = module.gate_up_proj.shape
+    experts, _, hidden = tensor_attribute(module, "gate_up_proj").shape
     generator = torch.Generator().manual_seed(2)
     tokens, top_k = 6, min(2, experts)
     x = torch.randn(tokens, hidden, generator=generator).to(device=device, dtype=_probe_dtype(module))
@@ -415,8 +431,8 @@ def _probe_experts_uncached(module: nn.Module) -> str | None:
             return f"its forward failed on a probe: {type(error).__name__}: {error}"
         finally:
             module.train(was_training)
-    equal, error = close_enough(result, reference)
-    return None if equal else f"differs from silu(gate) * up experts (relative error {error:.1e})"
+    equal, difference = close_enough(result, reference)
+    return None if equal else f"differs from silu(gate) * up experts (relative error {difference:.1e})"
 
 
 # ----------------------------------------------------------------------------------------
@@ -476,14 +492,15 @@ def liger_rope_as_planned(plan: RopePlan, *args: Any, **kwargs: Any) -> Any:
     from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_single
 
     tables = 1 if plan.per_tensor else 2  # index of the first table argument
-    args = list(args)
-    if plan.sin_first and len(args) >= tables + 2:
-        args[tables], args[tables + 1] = args[tables + 1], args[tables]
+    positional = list(args)
+    if plan.sin_first and len(positional) >= tables + 2:
+        positional[tables], positional[tables + 1] = positional[tables + 1], positional[tables]
     # unsqueeze_dim follows position_ids in the two-tensor signature.
-    if len(args) <= tables + (2 if plan.per_tensor else 3):
+    if len(positional) <= tables + (2 if plan.per_tensor else 3):
         kwargs.setdefault("unsqueeze_dim", plan.heads_dim)
-    fn = liger_rotary_pos_emb_single if plan.per_tensor else liger_rotary_pos_emb
-    return fn(*args, layout=plan.layout, **kwargs)
+    # Called with the arguments the model's own function took, whatever their number.
+    fn: Callable[..., Any] = liger_rotary_pos_emb_single if plan.per_tensor else liger_rotary_pos_emb
+    return fn(*positional, layout=plan.layout, **kwargs)
 
 
 def _rope_layouts() -> list:
@@ -497,7 +514,7 @@ def _rope_layouts() -> list:
 _ROPE_PROBES: dict[tuple, RopePlan | str] = {}
 
 
-def probe_rope(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device) -> RopePlan | str:
+def probe_rope(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device | None) -> RopePlan | str:
     """The :class:`RopePlan` whose Liger function equals ``fn`` on every probe, or why there is none.
 
     ``fn`` is called with random q/k and random cos/sin tables (entries in [-1, 1], unrelated
@@ -526,7 +543,7 @@ class _RopeCase:
     reference: tuple[torch.Tensor, ...]
 
 
-def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device) -> RopePlan | str:
+def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device | None) -> RopePlan | str:
     try:
         takes_unsqueeze_dim = "unsqueeze_dim" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -553,7 +570,7 @@ def _probe_rope_dims(fn: Callable, head_dim: int, rotary_dims: set[int], device:
             f"for the closest, {layout.describe()})")
 
 
-def _rope_cases(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device, per_tensor: bool,
+def _rope_cases(fn: Callable, head_dim: int, rotary_dims: set[int], device: torch.device | None, per_tensor: bool,
                 sin_first: bool, takes_unsqueeze_dim: bool) -> list[_RopeCase] | str:
     """The probe calls ``fn`` accepts in the given signature (an error message when it accepts
     one but does not return what that signature returns)."""
@@ -622,7 +639,9 @@ def rotary_dims(model: nn.Module) -> tuple[int, set[int]] | None:
         device = probe_device(embedding) or torch.device("cpu")
         x = torch.zeros(1, 2, 1, device=device)
         positions = torch.arange(2, device=device)[None]
-        for extra in [{}] + [{"layer_type": kind} for kind in getattr(embedding, "layer_types", ()) or ()]:
+        layer_types = getattr(embedding, "layer_types", ()) or ()
+        extras: list[dict[str, Any]] = [{}, *({"layer_type": kind} for kind in layer_types)]
+        for extra in extras:
             try:
                 with torch.no_grad():
                     cos, _ = embedding(x, positions, **extra)

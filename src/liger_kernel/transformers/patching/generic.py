@@ -15,7 +15,8 @@ import logging
 
 from torch import nn
 
-from liger_kernel.transformers.causal_lm import fused_loss_forward, liger_causal_lm_loss
+from liger_kernel.ops.module_attributes import set_attribute
+from liger_kernel.transformers.causal_lm import FusedLossSpec, fused_loss_forward, liger_causal_lm_loss
 from liger_kernel.transformers.patching import discovery, head_probe
 from liger_kernel.transformers.patching.binding import bind_method, with_global_overrides
 from liger_kernel.transformers.patching.options import PatchOptions
@@ -35,15 +36,15 @@ def _patch_norm(module: nn.Module, plan: discovery.NormPlan, options: PatchOptio
 
     eps = discovery.norm_epsilon(module)
     if getattr(module, "variance_epsilon", None) is None and getattr(module, "eps", None) is None:
-        module.variance_epsilon = eps
+        set_attribute(module, "variance_epsilon", eps)
     # Never in place: whether a discovered norm's output gradient is shared (a norm feeding a
     # residual add directly, as the post-norms of Gemma 3 and OLMo 2 do) is not known from
     # the probe, and the ownership check does not see every such sharing on every torch.
-    module.in_place = False
+    set_attribute(module, "in_place", False)
     liger = LigerLayerNorm if plan.kind == "layer_norm" else LigerRMSNorm
     if plan.kind == "rms_norm":
-        module.offset = plan.offset
-        module.casting_mode = plan.casting_mode
+        set_attribute(module, "offset", plan.offset)
+        set_attribute(module, "casting_mode", plan.casting_mode)
     bind_method(module, "forward", liger.forward)
     bind_method(module, "extra_repr", liger.extra_repr)
 
@@ -56,7 +57,8 @@ class _Walk:
         self.options = options
         self.report = report
         self._left: set[tuple[str, str]] = set()
-        self._rope_dims: tuple[int, set[int]] | None | bool = False
+        self._rope_dims: tuple[int, set[int]] | None = None  # (head dim, rotary widths), once read
+        self._rope_dims_read = False
 
     def leave(self, module: nn.Module, why: str) -> None:
         entry = (type(module).__name__, why)
@@ -77,8 +79,8 @@ class _Walk:
         if isinstance(plan, str):
             self.leave(module, plan)
         elif self.options.gated(plan.option):
-            module._liger_activation = plan.activation
-            module.in_place = self.options.in_place
+            set_attribute(module, "_liger_activation", plan.activation)
+            set_attribute(module, "in_place", self.options.in_place)
             bind_method(module, "forward", discovery.liger_mlp_forward)
             self.report.count(plan.option, 1)
 
@@ -94,13 +96,15 @@ class _Walk:
             self.report.count("swiglu", 1)
 
     def rope(self, module: nn.Module, forward, fn) -> None:
-        if self._rope_dims is False:
+        if not self._rope_dims_read:
             self._rope_dims = discovery.rotary_dims(self.model)
+            self._rope_dims_read = True
         if self._rope_dims is None:
             self.leave(module, "no rotary embedding module whose cos gives the rotary dims")
             return
+        head_dim, rotary_widths = self._rope_dims
         device = discovery.probe_device(module) or next((p.device for p in self.model.parameters()), None)
-        plan = discovery.probe_rope(fn, *self._rope_dims, device=device)
+        plan = discovery.probe_rope(fn, head_dim, rotary_widths, device=device)
         if isinstance(plan, str):
             self.leave(module, plan)
             return
@@ -132,7 +136,7 @@ class _Walk:
                 self.rope(module, *found)
 
 
-def _probed_head(model: nn.Module) -> tuple[nn.Module, object]:
+def _probed_head(model: nn.Module) -> tuple[nn.Module, FusedLossSpec | str]:
     """(the module whose forward gets the fused loss, its spec or why not): ``model`` itself, or
     the nested language model its forward hands the labels to when ``model``'s own probe fails."""
     try:
@@ -160,7 +164,7 @@ def patch_head(model: nn.Module, options: PatchOptions, report: PatchReport) -> 
         report.leave(cls.__name__ + " (loss)", spec)
         return
     if options.cross_entropy:
-        model.loss_function = liger_causal_lm_loss
+        set_attribute(model, "loss_function", liger_causal_lm_loss)
         report.count("cross_entropy", 1)
         return
     import dataclasses

@@ -18,11 +18,12 @@ import copy
 import inspect
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from liger_kernel.ops.module_attributes import set_attribute
 from liger_kernel.transformers.causal_lm import text_config_of
 from liger_kernel.transformers.patching.discovery import close_enough, kernel_device
 
@@ -95,13 +96,14 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def base_class(model: nn.Module) -> type:
+def base_class(model: nn.Module) -> type[nn.Module]:
     """``type(model)`` without the per-instance subclasses of a patch."""
     from liger_kernel.transformers.patching.binding import is_instance_class
 
     cls = type(model)
     while is_instance_class(cls):
-        cls = cls.__bases__[0]
+        # A per-instance subclass has one base, the module class it patches.
+        cls = cast(type[nn.Module], cls.__bases__[0])
     return cls
 
 
@@ -125,7 +127,8 @@ def probe_head(model: nn.Module) -> Any:
     passes it is the one. Cached per class and configuration.
     """
     cls = base_class(model)
-    key = (cls, model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else id(model))
+    config: Any = model.config  # an HF config, read by attribute
+    key = (cls, config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else id(model))
     if key not in _HEAD_PROBES:
         _HEAD_PROBES[key] = _probe_head_uncached(model, cls)
     return _HEAD_PROBES[key]
@@ -142,12 +145,34 @@ def _source(fn: Callable) -> str:
 
 def _module_at(model: nn.Module, path: str) -> nn.Module | None:
     """The submodule at dotted ``path`` through ``_modules`` only (no method or buffer), or None."""
-    module = model
+    module: nn.Module | None = model
     for part in path.split("."):
         module = module._modules.get(part) if isinstance(module, nn.Module) else None
         if module is None:
             return None
     return module
+
+
+def _found_module_at(model: nn.Module, path: str) -> nn.Module:
+    """:func:`_module_at` for a ``path`` :func:`_layout` found there."""
+    module = _module_at(model, path)
+    if module is None:
+        raise LookupError(f"{type(model).__name__} has no submodule {path!r}")
+    return module
+
+
+def _head_at(model: nn.Module, path: str) -> nn.Linear:
+    """The output embedding at ``path``, which :func:`_layout` accepted as an ``nn.Linear``."""
+    head = _found_module_at(model, path)
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"the output embedding {path!r} is a {type(head).__name__}, not an nn.Linear")
+    return head
+
+
+def _output_embedding(model: nn.Module) -> nn.Module | None:
+    """``model.get_output_embeddings()``, or None for a model without that method."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    return get_output_embeddings() if get_output_embeddings is not None else None
 
 
 def _called_modules(source: str, model: nn.Module) -> list[str]:
@@ -165,7 +190,7 @@ def _layout(model: nn.Module, source: str) -> dict[str, Any] | str:
     or why the fused forward cannot reproduce it."""
     from liger_kernel.transformers.distributed import unwrapped_class
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embedding(model)
     if head is None:
         return "it has no output embedding (get_output_embeddings() gives None)"
     head_path = next((name for name, module in model.named_modules() if module is head), None)
@@ -202,7 +227,7 @@ def labelled_language_model(model: nn.Module) -> str | None:
     """The child of ``model`` holding its output embedding that its forward calls with
     ``labels=labels`` (KOSMOS-2.5's ``text_model``): a language model computing the loss itself,
     whose own head probe decides its fused forward; None if there is none."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embedding(model)
     if head is None:
         return None
     path = next((name for name, module in model.named_modules() if module is head), None)
@@ -214,7 +239,7 @@ def labelled_language_model(model: nn.Module) -> str | None:
     return top if call is not None and re.search(r"\blabels\s*=\s*labels\b", call.group(1)) else None
 
 
-def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
+def _probe_head_uncached(model: nn.Module, cls: type[nn.Module]) -> Any:
     import dataclasses
     import itertools
 
@@ -225,7 +250,7 @@ def _probe_head_uncached(model: nn.Module, cls: type) -> Any:
     if isinstance(layout, str):
         return layout
     head_path = layout.pop("head_path")
-    head = _module_at(model, head_path)
+    head = _head_at(model, head_path)
     text_config = text_config_of(model.config)
     aux = None
     experts_attr = "num_local_experts"
@@ -291,7 +316,7 @@ def _logit_scales(source: str, model: nn.Module, text_config: Any) -> list[tuple
     return list(dict.fromkeys(found))
 
 
-def _extra_parameters(cls: type) -> tuple[str, ...]:
+def _extra_parameters(cls: type[nn.Module]) -> tuple[str, ...]:
     """The named parameters of ``cls.forward`` the fused forward does not name itself."""
     from liger_kernel.transformers.causal_lm import fused_loss_forward
 
@@ -311,14 +336,14 @@ def _replace_module(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, leaf = path.split(".")
     owner = root
     for name in parents:
-        clone = copy.copy(owner._modules[name])
+        clone = copy.copy(_found_module_at(owner, name))
         clone._modules = dict(clone._modules)
         owner._modules[name] = clone
         owner = clone
     owner._modules[leaf] = module
 
 
-def _stand_in(model: nn.Module, cls: type, vocab: int) -> nn.Module:
+def _stand_in(model: nn.Module, cls: type[nn.Module], vocab: int) -> nn.Module:
     """An instance of ``cls`` sharing ``model``'s attributes and children, with a copy of its
     config whose vocabulary is ``vocab``. Another vocabulary size of the config below the
     vocabulary (Inkling's ``unpadded_vocab_size``, a slice of the logits) stays below it."""
@@ -339,11 +364,11 @@ def _stand_in(model: nn.Module, cls: type, vocab: int) -> nn.Module:
         target.vocab_size = vocab
     stand_in.config = config
     if isinstance(getattr(stand_in, "vocab_size", None), int):
-        stand_in.vocab_size = vocab
+        set_attribute(stand_in, "vocab_size", vocab)
     return stand_in
 
 
-def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list, text_config: Any
+def _compare_heads(model: nn.Module, cls: type[nn.Module], head_path: str, candidates: list, text_config: Any
                    ) -> tuple[type, Any, str | None]:
     """(the forward's output class, the first candidate spec whose fused forward equals the
     model's forward on the stand-in, None), or (..., None, why the first candidate differs)."""
@@ -352,7 +377,7 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     from liger_kernel.transformers.causal_lm import fused_loss_forward
 
     first = candidates[0]
-    real_head = _module_at(model, head_path)
+    real_head = _head_at(model, head_path)
     batch, seq, vocab = 2, 6, 40
     # A transform before the output embedding (the model's own) takes the decoder's width and
     # gives the embedding's; without one any width will do.
@@ -362,7 +387,7 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         head_width = real_head.in_features
         # The width the transform takes: its first linear's (Reformer's head takes both
         # streams, twice the hidden size).
-        first_linear = next((m for m in _module_at(model, transform).modules() if isinstance(m, nn.Linear)), None)
+        first_linear = next((m for m in _found_module_at(model, transform).modules() if isinstance(m, nn.Linear)), None)
         hidden = first_linear.in_features if first_linear is not None else getattr(text_config, "hidden_size", head_width)
     generator = torch.Generator().manual_seed(4)
     stand_in = _stand_in(model, cls, vocab)
@@ -382,7 +407,7 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
         experts = getattr(model, first.num_experts_attr, None) or getattr(text_config, first.num_experts_attr)
         fields["router_logits"] = tuple(torch.randn(batch * seq, experts, generator=generator).to(device)
                                         for _ in range(2))
-    stub = _StubDecoder(fields, vocab, hidden, _module_at(model, first.decoder_attr)).to(device)
+    stub = _StubDecoder(fields, vocab, hidden, _found_module_at(model, first.decoder_attr)).to(device)
     _replace_module(stand_in, first.decoder_attr, stub)
     # Not .train(): that would recurse into the children the stand-in shares with the model.
     stand_in.training = True
@@ -395,7 +420,7 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     references = []
     # 7 items: neither the 9 targets counted with shifted labels nor the 10 without, so a loss
     # that ignores num_items_in_batch is told apart from one dividing by it.
-    extras = [{}, {"num_items_in_batch": torch.tensor(7, device=device)}]
+    extras: list[dict[str, Any]] = [{}, {"num_items_in_batch": torch.tensor(7, device=device)}]
     if first.is_moe:  # with the router loss, and as the forward does without the flag
         extras = [{**extra, "output_router_logits": True} for extra in extras] + [{}]
     for extra in extras:
@@ -423,7 +448,7 @@ def _compare_heads(model: nn.Module, cls: type, head_path: str, candidates: list
     return type(reference), None, first_error
 
 
-def _router_logits_default(cls: type) -> bool | None:
+def _router_logits_default(cls: type[nn.Module]) -> bool | None:
     """The default of ``cls.forward``'s ``output_router_logits``: a bool fixes what a call without
     it does (the config is then not consulted); None lets the config decide."""
     parameter = inspect.signature(cls.forward).parameters.get("output_router_logits")

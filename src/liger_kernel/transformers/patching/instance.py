@@ -16,6 +16,7 @@ import logging
 
 from torch import nn
 
+from liger_kernel.ops.module_attributes import child_module, set_attribute
 from liger_kernel.transformers.causal_lm import FusedLossSpec, fused_loss_forward, liger_causal_lm_loss
 from liger_kernel.transformers.families import ModelFamily
 from liger_kernel.transformers.patching.binding import (
@@ -57,19 +58,20 @@ def _patch_norm_instance(module: nn.Module, family: ModelFamily, options: PatchO
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
     spec = family.norm
-    module.offset = spec.offset
-    module.casting_mode = spec.casting_mode
-    module.in_place = spec.in_place and options.in_place and in_place
+    set_attribute(module, "offset", spec.offset)
+    set_attribute(module, "casting_mode", spec.casting_mode)
+    set_attribute(module, "in_place", spec.in_place and options.in_place and in_place)
     bind_method(module, "forward", LigerRMSNorm.forward)
     bind_method(module, "extra_repr", LigerRMSNorm.extra_repr)
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module | None:
+    node: nn.Module | None = root
     for part in path.split("."):
-        root = getattr(root, part, None)
-        if root is None:
+        node = getattr(node, part, None)
+        if node is None:
             return None
-    return root
+    return node
 
 
 def _decoder_layers(base_model: nn.Module) -> list[nn.Module]:
@@ -81,14 +83,14 @@ def keep_final_norm_gradient(model: nn.Module, family: ModelFamily) -> None:
     """The final norm's output is handed out (the base model's last hidden state), so its
     gradient may be seen by the caller: its backward never writes over it. A decoder layer's
     norm outputs are intermediates nobody else receives."""
-    final = _resolve(model.base_model, family.norm.final_attr)
+    final = _resolve(child_module(model, "base_model"), family.norm.final_attr)
     if final is not None and hasattr(final, "in_place"):
-        final.in_place = False
+        set_attribute(final, "in_place", False)
 
 
 def _patch_norms(model: nn.Module, family: ModelFamily, options: PatchOptions) -> int:
     spec = family.norm
-    base_model = model.base_model
+    base_model = child_module(model, "base_model")
     final = _resolve(base_model, spec.final_attr)
     norms = [(final, False)]  # see keep_final_norm_gradient
     for layer in _decoder_layers(base_model):
@@ -116,7 +118,7 @@ def _patch_mlps(model: nn.Module, family: ModelFamily, options: PatchOptions, re
                      f" is not one the {spec.option} kernel reproduces")
         return 0
     patched = 0
-    for layer in _decoder_layers(model.base_model):
+    for layer in _decoder_layers(child_module(model, "base_model")):
         block = getattr(layer, spec.layer_attr, None)
         if spec.kind == "experts":
             target = getattr(block, spec.experts_attr, None)
@@ -197,7 +199,7 @@ def patch_instance(family: ModelFamily, model: nn.Module, options: PatchOptions)
         if options.recompute_norm_outputs:
             hook_norm_consumers(model, family.norm.consumer_classes)
     if options.cross_entropy and causal_lm is not None:
-        model.loss_function = liger_causal_lm_loss
+        set_attribute(model, "loss_function", liger_causal_lm_loss)
         report.count("cross_entropy", 1)
     logger.info("Liger kernels applied to a %s instance: %s", family.model_type, report.patched)
     return report

@@ -20,8 +20,9 @@ import importlib
 import logging
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from liger_kernel.transformers.families import FAMILIES, ModelFamily
@@ -76,7 +77,7 @@ def liger_norm_class(model_type: str, in_place: bool = True) -> type:
     return type(name, (LigerRMSNorm,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
 
 
-def liger_mlp_base(family: ModelFamily) -> type:
+def liger_mlp_base(family: ModelFamily) -> type[nn.Module]:
     """The Liger gated-MLP module (``LigerSwiGLUMLP``, ...) the table names for ``family``."""
     spec = family.mlp
     module = importlib.import_module(f"liger_kernel.transformers.{spec.liger_module}")
@@ -109,7 +110,19 @@ def liger_mlp_class(model_type: str, hf_class: type, in_place: bool = True) -> t
     return type(name, (base,), namespace)
 
 
-def liger_apply_gate(self: nn.Module, gate_up_out: Any) -> Any:
+class FusedExperts(Protocol):
+    """What the fused-experts methods below read off HF's experts module (``MixtralExperts``, ...)."""
+
+    config: Any
+    num_experts: int
+    gate_up_proj: torch.Tensor  # (E, 2I, H), gate first
+    down_proj: torch.Tensor  # (E, H, I)
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor: ...
+
+
+def liger_apply_gate(self: FusedExperts, gate_up_out: Any) -> Any:
     """``act(gate) * up`` of a fused (..., 2I) gate-up projection (gate first).
 
     Replaces HF's ``_apply_gate`` of fused-expert modules (``use_experts_implementation``):
@@ -117,7 +130,7 @@ def liger_apply_gate(self: nn.Module, gate_up_out: Any) -> Any:
     activation keeps HF's formula (the class-level patch cannot see the config beforehand).
     """
     gate, up = gate_up_out.chunk(2, dim=-1)
-    family = FAMILIES.get(getattr(self.config, "model_type", None))
+    family = FAMILIES.get(getattr(self.config, "model_type", ""))
     if family is None or not activation_supported(self.config, family):
         return self.act_fn(gate) * up
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -125,7 +138,7 @@ def liger_apply_gate(self: nn.Module, gate_up_out: Any) -> Any:
     return LigerSiLUMulFunction.apply(gate, up)
 
 
-def _eager_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+def _eager_experts_forward(self: FusedExperts, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
     """HF's eager fused-experts loop (:func:`liger_kernel.ops.swiglu.eager_experts_forward`), with
     the gate applied through ``self._apply_gate``."""
     from liger_kernel.ops.swiglu import eager_experts_forward
@@ -134,7 +147,7 @@ def _eager_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any
                                  self.num_experts, self._apply_gate)
 
 
-def liger_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+def liger_experts_forward(self: FusedExperts, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
     """Fused-experts forward dispatching like HF's ``use_experts_implementation``.
 
     ``config._experts_implementation`` picks HF's grouped/batched matmul kernels (which call
@@ -143,7 +156,8 @@ def liger_experts_forward(self: nn.Module, hidden_states: Any, top_k_index: Any,
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     implementation = getattr(self.config, "_experts_implementation", None)
-    forward = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, _eager_experts_forward)
+    # get_interface handles None (a standalone experts module) though transformers annotates str.
+    forward = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, _eager_experts_forward)  # type: ignore[arg-type]
     return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
