@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
+from liger_kernel.ops.head_epilogue import transform_logits
 from liger_kernel.transformers.distributed import (
     accelerate_hooked,
     call_with_full_parameters,
@@ -446,11 +447,7 @@ class LogitTransform:
         return cls(scale, softcap)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.scale is not None:
-            logits = logits * self.scale
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return transform_logits(logits, 1.0 if self.scale is None else self.scale, self.softcap, 1.0)
 
 
 def fused_loss(lm_head: torch.nn.Module, features: torch.Tensor, inputs: ForwardInputs,
