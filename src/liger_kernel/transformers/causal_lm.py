@@ -149,16 +149,14 @@ def liger_causal_lm_loss(
     return loss
 
 
-def _zero_if_nothing_counted(
-    loss: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int
-) -> torch.Tensor:
-    """``loss``, or 0 when no target is counted: the library's convention for a mean over
-    all-ignored targets (the fused path's value), where HF's loss divides 0 by 0 (NaN).
+def _zero_if_nothing_counted(loss: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``loss``, or 0 when none of the (B, T) ``targets`` is counted: the library's convention
+    for a mean over all-ignored targets (the fused path's value), where HF's loss divides 0 by 0 (NaN).
 
     ``torch.where`` keeps the graph (the gradient is zero, no NaN: every row is ignored) and
     needs no device sync, so it also traces under ``torch.compile``.
     """
-    counted = (causal_targets(labels, shift_labels, ignore_index) != ignore_index).any().to(loss.device)
+    counted = (targets != ignore_index).any().to(loss.device)
     return torch.where(counted, loss, torch.zeros_like(loss))
 
 
@@ -484,15 +482,18 @@ def fused_loss(lm_head: torch.nn.Module, features: torch.Tensor, inputs: Forward
 
 def loss_from_logits(model: PreTrainedModel, logits: torch.Tensor, inputs: ForwardInputs) -> torch.Tensor:
     """Step 4, unfused: the model's own ``loss_function`` on ``logits`` (0 for a mean over no
-    counted target, as on the fused path)."""
-    loss_kwargs: dict[str, Any] = {"num_items_in_batch": inputs.num_items_in_batch,
-                                   "ignore_index": inputs.ignore_index}
-    if inputs.shift_labels is not None:
-        loss_kwargs["shift_labels"] = inputs.shift_labels
-    loss = model.loss_function(logits=logits, labels=inputs.labels,
-                               vocab_size=text_config_of(model.config).vocab_size, **loss_kwargs)
+    counted target, as on the fused path).
+
+    The targets are shifted once, here, and given to the loss as ``shift_labels`` (which HF's
+    ``ForCausalLMLoss`` uses as they are); ``labels`` go along for a loss that takes only them.
+    """
+    # contiguous: HF's loss flattens shift_labels with .view(-1).
+    targets = causal_targets(inputs.labels, inputs.shift_labels, inputs.ignore_index).contiguous()
+    loss = model.loss_function(logits=logits, labels=inputs.labels, vocab_size=text_config_of(model.config).vocab_size,
+                               num_items_in_batch=inputs.num_items_in_batch, ignore_index=inputs.ignore_index,
+                               shift_labels=targets)
     if inputs.num_items_in_batch is None:
-        loss = _zero_if_nothing_counted(loss, inputs.labels, inputs.shift_labels, inputs.ignore_index)
+        loss = _zero_if_nothing_counted(loss, targets, inputs.ignore_index)
     return loss
 
 
