@@ -30,7 +30,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from torch import nn
 
 from liger_kernel.ops.module_attributes import child_module, tensor_attribute
 from liger_kernel.transformers.causal_lm import text_config_of
+
+if TYPE_CHECKING:
+    from liger_kernel.transformers.patching.replacements import FusedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -384,12 +387,13 @@ def is_experts_candidate(module: nn.Module) -> bool:
             and callable(getattr(module, "act_fn", None)))
 
 
-def liger_silu_apply_gate(self: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused (..., 2I) gate-up projection (gate first), as the Liger kernel."""
-    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+def liger_silu_apply_gate(self: FusedExperts, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused (..., 2I) gate-up projection (gate first), as the Liger kernel:
+    :func:`~liger_kernel.transformers.patching.replacements.liger_apply_gate` for a module whose
+    SiLU activation :func:`probe_experts` checked."""
+    from liger_kernel.transformers.patching.replacements import liger_apply_gate
 
-    gate, up = gate_up_out.chunk(2, dim=-1)
-    return LigerSiLUMulFunction.apply(gate, up)
+    return liger_apply_gate(self, gate_up_out, check_activation=False)
 
 
 _EXPERTS_PROBES: dict[tuple, str | None] = {}
@@ -425,7 +429,7 @@ def _probe_experts_uncached(module: nn.Module) -> str | None:
         try:
             reference = module(x, index, weights)
             proxy = _Proxy(module)
-            proxy.__dict__["_apply_gate"] = functools.partial(liger_silu_apply_gate, module)
+            proxy.__dict__["_apply_gate"] = functools.partial(liger_silu_apply_gate, proxy)
             result = liger_experts_forward(proxy, x, index, weights)
         except Exception as error:
             return f"its forward failed on a probe: {type(error).__name__}: {error}"

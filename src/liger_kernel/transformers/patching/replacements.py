@@ -122,17 +122,20 @@ class FusedExperts(Protocol):
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor: ...
 
 
-def liger_apply_gate(self: FusedExperts, gate_up_out: Any) -> Any:
+def liger_apply_gate(self: FusedExperts, gate_up_out: Any, check_activation: bool = True) -> Any:
     """``act(gate) * up`` of a fused (..., 2I) gate-up projection (gate first).
 
     Replaces HF's ``_apply_gate`` of fused-expert modules (``use_experts_implementation``):
     with a SiLU activation the product runs as the Liger SiLU-mul kernel, any other
     activation keeps HF's formula (the class-level patch cannot see the config beforehand).
+    ``check_activation=False``: the activation is known to be SiLU (a discovery probe
+    checked it), the kernel always runs.
     """
     gate, up = gate_up_out.chunk(2, dim=-1)
-    family = FAMILIES.get(getattr(self.config, "model_type", ""))
-    if family is None or not activation_supported(self.config, family):
-        return self.act_fn(gate) * up
+    if check_activation:
+        family = FAMILIES.get(getattr(self.config, "model_type", ""))
+        if family is None or not activation_supported(self.config, family):
+            return self.act_fn(gate) * up
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
     return LigerSiLUMulFunction.apply(gate, up)
