@@ -483,16 +483,34 @@ def _quantities(token_fn, logits: torch.Tensor, extra_args) -> torch.Tensor:
         return token_fn(logits.float(), *extra_args)
 
 
-def _pull_back(token_fn, logits, extra_args, grad_q) -> torch.Tensor:
-    """``dL/dz`` of a chunk from its fresh logits and ``dL/dq``."""
+def _chunk_forward(token_fn, logits, extra_args) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """``(q, state, logits)`` of a chunk, what :func:`_chunk_backward` pulls ``dL/dq`` back through:
+    the closed form's ``statistics`` over the chunk's logits (left intact), or ``token_fn`` on a
+    float32 copy recorded by autograd (``state`` None)."""
     if _in_place(token_fn):
         with torch.no_grad():
-            _, state = token_fn.statistics(logits, *extra_args)
-            return token_fn.logit_grad_(logits, state, grad_q, *extra_args)
-    logits32 = logits.float()
+            q, state = token_fn.statistics(logits, *extra_args)
+        return q, state, logits
+    logits = logits.float()
     with torch.enable_grad():
-        logits32.requires_grad_(True)
-        return _chunk_logit_grad(token_fn(logits32, *extra_args), logits32, grad_q)
+        logits.requires_grad_(True)
+        return token_fn(logits, *extra_args), None, logits
+
+
+def _chunk_backward(token_fn, forward, extra_args, grad_q) -> torch.Tensor:
+    """``dL/dz`` of a chunk from its :func:`_chunk_forward` and ``dL/dq`` (the closed form
+    overwrites the chunk's logits with it)."""
+    q, state, logits = forward
+    if _in_place(token_fn):
+        with torch.no_grad():
+            return token_fn.logit_grad_(logits, state, grad_q, *extra_args)
+    with torch.enable_grad():
+        return _chunk_logit_grad(q, logits, grad_q)
+
+
+def _pull_back(token_fn, logits, extra_args, grad_q) -> torch.Tensor:
+    """``dL/dz`` of a chunk from its fresh logits and ``dL/dq``."""
+    return _chunk_backward(token_fn, _chunk_forward(token_fn, logits, extra_args), extra_args, grad_q)
 
 
 def _chunk_grad_via_q(token_fn, logits, extra_args, loss_of_q):
@@ -500,24 +518,12 @@ def _chunk_grad_via_q(token_fn, logits, extra_args, loss_of_q):
     differentiated with respect to the (R, K) quantities only, then pulled back through
     ``token_fn`` in place (``statistics`` / ``logit_grad_``) or by autograd.
     Returns (grad, loss, aux)."""
-    in_place = _in_place(token_fn)
-    if in_place:
-        with torch.no_grad():
-            q, state = token_fn.statistics(logits, *extra_args)
-    else:
-        logits = logits.float()
-        with torch.enable_grad():
-            logits.requires_grad_(True)
-            q = token_fn(logits, *extra_args)
+    forward = _chunk_forward(token_fn, logits, extra_args)
     with torch.enable_grad():
-        q_leaf = q.detach().requires_grad_(True)
+        q_leaf = forward[0].detach().requires_grad_(True)
         loss, aux = loss_of_q(q_leaf)
         grad_q = _chunk_logit_grad(loss, q_leaf)
-    if in_place:
-        with torch.no_grad():
-            return token_fn.logit_grad_(logits, state, grad_q, *extra_args), loss, aux
-    with torch.enable_grad():
-        return _chunk_logit_grad(q, logits, grad_q), loss, aux
+    return _chunk_backward(token_fn, forward, extra_args, grad_q), loss, aux
 
 
 def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_len, grads):
