@@ -81,6 +81,43 @@ def check_same_device(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> tor
     return device
 
 
+_HIDDEN_LAYOUTS = {2: "(rows, hidden)", 3: "(batch, seq_len, hidden)"}
+
+
+def check_linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_name: str = "input",
+                          weight_name: str = "weight", bias_name: str = "bias", *, x_dims: int = 2,
+                          same_device: bool = True, autocast_casts: bool = False) -> None:
+    """The operands of a linear head ``x @ weight^T + bias``: ``x`` (rows, D) or, with
+    ``x_dims=3``, (B, T, D) hidden states, ``weight`` (V >= 1, D), ``bias`` (V,) or None, all
+    of one floating dtype; with ``same_device`` also on ``x``'s device (a caller that checks
+    its devices together with its other tensors passes False). ``autocast_casts``: the op
+    casts its operands under ``torch.autocast``, which the dtype error then suggests."""
+    check_float_dtype(x, x_name)
+    check_float_dtype(weight, weight_name)
+    if x.dim() != x_dims:
+        raise ValueError(f"{x_name} must be {x_dims}-D {_HIDDEN_LAYOUTS[x_dims]}, got shape {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"{weight_name} must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{weight_name} has shape {tuple(weight.shape)}; its last dimension must equal "
+                         f"{x_name}'s hidden size {x.shape[-1]}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"{weight_name} must have at least one row (class)")
+    if weight.dtype != x.dtype:
+        hint = " (or run under torch.autocast, which casts both)" if autocast_casts else ""
+        raise TypeError(f"{x_name} ({x.dtype}) and {weight_name} ({weight.dtype}) must have the same dtype{hint}")
+    if same_device and weight.device != x.device:
+        raise ValueError(f"{weight_name} is on {weight.device} but {x_name} is on {x.device}")
+    if bias is not None:
+        check_tensor(bias, bias_name)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{bias_name} must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"{bias_name} has dtype {bias.dtype}; it must match {x_name}'s {x.dtype}")
+        if same_device and bias.device != x.device:
+            raise TypeError(f"{bias_name} is on {bias.device} but {x_name} is on {x.device}")
+
+
 def check_last_dim(x: torch.Tensor, size: int, x_name: str, size_name: str) -> None:
     if x.dim() == 0 or x.shape[-1] != size:
         raise ValueError(

@@ -91,7 +91,7 @@ from typing import overload
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
-from liger_kernel.ops.checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_tensor
+from liger_kernel.ops.checks import check_linear_operands, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.head_chunking import (
     accumulate_grad_weight,
@@ -171,29 +171,6 @@ class HeadGrads:
 # --------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------
-
-
-def check_head_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_name: str = "_input",
-                    weight_name: str = "weight", bias_name: str = "bias") -> None:
-    """``x`` (B, T, D), ``weight`` (V, D), ``bias`` (V,) or None, one floating dtype, one device."""
-    check_float_dtype(x, x_name)
-    check_float_dtype(weight, weight_name, SUPPORTED_FLOAT_DTYPES)
-    if x.dim() != 3:
-        raise ValueError(f"{x_name} must be 3-D (batch, seq_len, hidden), got shape {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[2]:
-        raise ValueError(f"{weight_name} must be 2-D (vocab, hidden={x.shape[2]}), got shape {tuple(weight.shape)}")
-    if weight.shape[0] < 1:
-        raise ValueError(f"{weight_name} must have at least one row")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"{x_name} ({x.dtype}) and {weight_name} ({weight.dtype}) must have the same dtype")
-    if weight.device != x.device:
-        raise ValueError(f"{weight_name} is on {weight.device} but {x_name} is on {x.device}")
-    if bias is not None:
-        check_tensor(bias, bias_name)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"{bias_name} must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype or bias.device != x.device:
-            raise TypeError(f"{bias_name} must match {x_name}'s dtype and device ({x.dtype}, {x.device})")
 
 
 def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
@@ -376,7 +353,7 @@ def chunked_head_loss_and_grads(
     """
     original_dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
     x, weight, bias, ref_x, ref_weight, ref_bias = autocast_operands(x, weight, bias, ref_x, ref_weight, ref_bias)
-    check_head_args(x, weight, bias)
+    check_linear_operands(x, weight, bias, "_input", x_dims=3, autocast_casts=True)
     n_groups, seq_len, _ = x.shape
     if paired and n_groups % 2:
         raise ValueError(f"paired losses need an even batch (chosen then rejected), got batch {n_groups}")
@@ -385,7 +362,8 @@ def chunked_head_loss_and_grads(
     if (ref_weight is None) != (ref_x is None):
         raise ValueError("the second head needs both ref_input and ref_weight")
     if ref_weight is not None:
-        check_head_args(ref_x, ref_weight, ref_bias, "ref_input", "ref_weight", "ref_bias")
+        check_linear_operands(ref_x, ref_weight, ref_bias, "ref_input", "ref_weight", "ref_bias", x_dims=3,
+                              autocast_casts=True)
         if ref_x.shape[:2] != x.shape[:2]:
             raise ValueError(f"ref_input has shape {tuple(ref_x.shape)}; it must start with {(n_groups, seq_len)}")
         ref_x = ref_x.contiguous()

@@ -37,7 +37,7 @@ Memory beyond the gradients themselves: the (C, V) chunk buffer plus O(N + V).
 import torch
 
 from liger_kernel.ops.autograd import InputGradients, strictly_once_differentiable
-from liger_kernel.ops.checks import check_float_dtype, check_same_device, check_tensor
+from liger_kernel.ops.checks import check_linear_operands, check_same_device
 from liger_kernel.ops.cross_entropy import launch_cross_entropy_kernel
 from liger_kernel.ops.head_chunking import (
     accumulate_grad_weight,
@@ -220,29 +220,8 @@ def _fused_linear_cross_entropy_backward_fake(grad_rows, x, weight, target, bias
 
 
 def _check_linear_args(x, weight, bias, accum_dtype) -> None:
-    check_float_dtype(x, "input")
-    check_float_dtype(weight, "weight")
-    if x.dim() != 2:
-        raise ValueError(f"input must be 2-D (N, D) hidden states, got shape {tuple(x.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (V, D), got shape {tuple(weight.shape)}")
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"weight has shape {tuple(weight.shape)}; its last dimension must equal input's hidden size {x.shape[1]}"
-        )
-    if weight.shape[0] < 1:
-        raise ValueError("weight must have at least one row (class)")
-    if weight.dtype != x.dtype:
-        raise TypeError(
-            f"input ({x.dtype}) and weight ({weight.dtype}) must have the same dtype "
-            "(or run under torch.autocast, which casts both)"
-        )
-    if bias is not None:
-        check_tensor(bias, "bias")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise TypeError(f"bias has dtype {bias.dtype}; it must match input's {x.dtype}")
+    # The devices are checked with the target's and ce_weight's (check_same_device).
+    check_linear_operands(x, weight, bias, same_device=False, autocast_casts=True)
     if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype, got {accum_dtype}")
 

@@ -46,11 +46,10 @@ from typing import NamedTuple
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
-from liger_kernel.ops.checks import check_temperature, check_tensor
+from liger_kernel.ops.checks import check_linear_operands, check_temperature, check_tensor
 from liger_kernel.ops.chunked_head import (
     _logits,
     autocast_operands,
-    check_head_args,
     chunked_head_loss_and_grads,
     per_token_row_ranges,
 )
@@ -75,7 +74,7 @@ def _check(x, weight, bias, target, temperature, ignore_index):
     if x.dim() < 1 or tuple(target.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"target must have shape {tuple(x.shape[:-1])} (the input's leading shape), "
                          f"got {tuple(target.shape)}")
-    check_head_args(x.reshape(1, -1, x.shape[-1]), weight, bias)
+    check_linear_operands(x.reshape(-1, x.shape[-1]), weight, bias, "_input")
     # The range check's verdict is awaited once the chunk loop is queued (waiting first would
     # drain the GPU's queue and expose the backward's launches); a bad target never addresses
     # memory (it reads token 0) and the results computed with it are discarded by the raise.

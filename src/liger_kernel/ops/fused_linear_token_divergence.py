@@ -31,10 +31,9 @@ import contextlib
 import torch
 
 from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictly_once_differentiable
-from liger_kernel.ops.checks import check_beta, check_temperature
+from liger_kernel.ops.checks import check_beta, check_linear_operands, check_temperature
 from liger_kernel.ops.chunked_head import (
     _logits,
-    check_head_args,
     chunked_head_loss_and_grads,
     per_token_row_ranges,
 )
@@ -69,8 +68,8 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
         if x_s.dim() != 2 or x_t.dim() != 2 or x_s.shape[0] != x_t.shape[0]:
             raise ValueError(f"student and teacher hidden states must be 2-D with the same rows, got "
                              f"{tuple(x_s.shape)} and {tuple(x_t.shape)}")
-        check_head_args(x_s.unsqueeze(0), w_s, b_s, "student_hidden", "student_weight", "student_bias")
-        check_head_args(x_t.unsqueeze(0), w_t, b_t, "teacher_hidden", "teacher_weight", "teacher_bias")
+        check_linear_operands(x_s, w_s, b_s, "student_hidden", "student_weight", "student_bias")
+        check_linear_operands(x_t, w_t, b_t, "teacher_hidden", "teacher_weight", "teacher_bias")
         if w_s.shape[0] != w_t.shape[0]:
             raise ValueError(f"student and teacher vocabularies differ: {w_s.shape[0]} and {w_t.shape[0]}")
         check_logit_transform(student_logit_scale, student_softcap, "student_logit_scale",
