@@ -71,6 +71,8 @@ def test_gkd_call_shape_and_functional():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="beta"):
         LigerFusedLinearJSDLoss(beta=1.5)
+    with pytest.raises(ValueError, match="beta"):
+        LigerFusedLinearJSDLoss(beta=True)
     with pytest.raises(ValueError, match="temperature"):
         LigerFusedLinearJSDLoss(temperature=0.0)
     loss_fn = LigerFusedLinearJSDLoss()

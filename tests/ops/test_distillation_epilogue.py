@@ -72,6 +72,8 @@ def test_transforms_entropy_and_no_labels_match_float64(dtype, beta):
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="beta"):
         GeneralizedJSDRows(1.5)
+    with pytest.raises(ValueError, match="beta"):
+        GeneralizedJSDRows(True)  # a bool is not a mixing weight
     with pytest.raises(ValueError, match="soft-cap"):
         GeneralizedJSDRows(0.5, teacher=(1.0, -2.0))
     with pytest.raises(ValueError, match="one shape"):

@@ -42,8 +42,12 @@ def test_without_labels_every_row_counts():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="beta"):
         LigerFusedLinearJSD(jsd_beta=-0.1)
+    with pytest.raises(ValueError, match="beta"):
+        LigerFusedLinearJSD(jsd_beta=False)
     with pytest.raises(ValueError, match="temperature"):
         LigerFusedLinearJSD(temperature=0)
+    with pytest.raises(ValueError, match="temperature"):
+        LigerFusedLinearJSD(temperature=float("inf"))
 
 
 def test_functional_module_exports_it():

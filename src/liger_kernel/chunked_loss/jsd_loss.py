@@ -25,6 +25,7 @@ from liger_kernel.chunked_loss.fused_linear_distillation import (
     LabelledDistillationFunction,
     LabelledDistillationLoss,
 )
+from liger_kernel.ops.checks import check_beta
 from liger_kernel.ops.distillation_epilogue import GeneralizedJSDRows
 
 
@@ -45,17 +46,14 @@ def generalized_jsd_rows(student_logits: torch.Tensor, teacher_logits: torch.Ten
     return beta * _kl_rows(log_q, log_m) + (1 - beta) * _kl_rows(log_p, log_m)
 
 
-def check_beta(beta: float) -> None:
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must lie in [0, 1], got {beta}")
-
-
 class LigerFusedLinearJSDFunction(LabelledDistillationFunction):
     """``apply(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
     teacher_bias, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100, temperature=1.0,
     compiled=True, chunk_size=1024, return_soft_hard_loss=False)`` -> loss or (loss, soft, hard)."""
 
-    check_options = staticmethod(check_beta)
+    @staticmethod
+    def check_options(beta: float) -> None:
+        check_beta(beta)
 
     @staticmethod
     def distillation_loss_fn(student_logits, teacher_logits, target=None, ignore_index=-100, beta=0.5):

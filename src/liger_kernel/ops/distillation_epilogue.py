@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from liger_kernel.ops.cached_launch import launch_kernel
-from liger_kernel.ops.checks import check_temperature
+from liger_kernel.ops.checks import check_beta, check_temperature
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.head_epilogue import (
     ENTROPY,
@@ -162,8 +162,7 @@ class GeneralizedJSDRows:
     def __init__(self, beta: float, temperature: float = 1.0, ignore_index: int = -100,
                  with_hard_loss: bool = True, student: tuple[float, float | None] = (1.0, None),
                  teacher: tuple[float, float | None] = (1.0, None), entropy: bool = False):
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta must lie in [0, 1], got {beta}")
+        check_beta(beta)
         check_temperature(temperature)
         check_logit_transform(*student, "the student's logit scale", "the student's soft-cap")
         check_logit_transform(*teacher, "the teacher's logit scale", "the teacher's soft-cap")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from liger_kernel.chunked_loss.fused_linear_distillation import LigerFusedLinearDistillationBase
-from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction, check_beta
+from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
+from liger_kernel.ops.checks import check_beta, check_temperature
 
 
 class _SoftJSDFunction(LigerFusedLinearJSDFunction):
@@ -60,8 +61,7 @@ class LigerFusedLinearJSD(torch.nn.Module):
                  accum_dtype: torch.dtype | None = None):
         super().__init__()
         check_beta(jsd_beta)
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_temperature(temperature)
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = (jsd_beta, ignore_index, temperature,
                                                                                 accum_dtype)
 
