@@ -42,3 +42,11 @@ def hub_offline():
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setattr(constants, "HF_HUB_OFFLINE", True)
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_hub():
+    """Autouse in every test module that imports it: no test there may reach the Hub (the
+    builds are local)."""
+    with hub_offline():
+        yield

@@ -29,7 +29,10 @@ transformers = pytest.importorskip("transformers")
 from kernels import CUDAProperties, Device, LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 
 from tests.hub.declared_hub_names import apply_declared_hub_names, declared_decorators  # noqa: E402
-from tests.hub.repository import build_repository, hub_offline  # noqa: E402
+from tests.hub.repository import (  # noqa: E402
+    build_repository,
+    offline_hub,  # noqa: F401 (an autouse fixture)
+)
 from tests.transformers.model_configs import VOCAB, loss_and_grads, random_batch, tiny_config  # noqa: E402
 from tests.utils import DEVICE, assert_close  # noqa: E402
 
@@ -90,13 +93,6 @@ needs_use_kernels = pytest.mark.skipif(
     reason=f"transformers {transformers.__version__} accepts {kernels_range()}, not the installed "
            f"kernels {kernels.__version__}: its use_kernels integration refuses to run",
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline():
-    """No test here may reach the Hub: the builds are local."""
-    with hub_offline():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,17 +18,13 @@ from kernels._internals.resolver import resolve_local_kernel  # noqa: E402
 from kernels._rust import Metadata  # noqa: E402
 
 from liger_kernel.hub.layers import LAYERS_VERSION  # noqa: E402
-from tests.hub.repository import build_script, hub_offline  # noqa: E402
+from tests.hub.repository import (  # noqa: E402
+    build_script,
+    offline_hub,  # noqa: F401 (an autouse fixture)
+)
 from tests.utils import DEVICE  # noqa: E402
 
 SYSTEM_VARIANT = "torch-cuda" if torch.version.cuda else "torch-cpu"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline():
-    """No test here may reach the Hub: the builds are local."""
-    with hub_offline():
-        yield
 
 
 @pytest.fixture(scope="module")
