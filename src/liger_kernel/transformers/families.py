@@ -176,8 +176,3 @@ FAMILIES: dict[str, ModelFamily] = {
         ),
     )
 }
-
-
-def family_of(model_type: str) -> ModelFamily | None:
-    """The table entry for ``model_type`` (``config.model_type``), or None when unsupported."""
-    return FAMILIES.get(model_type)
