@@ -1,7 +1,7 @@
 """``python -m benchmarks.tune``: sweep the kernels' launch tunables at the target shapes.
 
 Each op keeps its launch parameters as a frozen configuration (``LaunchConfig`` subclasses such
-as ``ops.row_norm.RowNormConfig``, ``ops.cross_entropy.CrossEntropyConfig``,
+as ``ops.row_norm_geometry.RowNormConfig``, ``ops.cross_entropy.CrossEntropyConfig``,
 ``ops.rope.RopeConfig``), whose ``search_space`` lists the candidates. This script puts each
 candidate in force in turn (``override_launch_config``), times the Liger op (forward + backward, median, L2 flushed) with the same
 harness as ``python -m benchmarks``, records peak extra memory, and writes ``tune.csv``
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import liger_kernel.ops.cross_entropy as ce_ops
     from liger_kernel.ops.rope import RopeConfig
-    from liger_kernel.ops.row_norm import RowNormConfig
+    from liger_kernel.ops.row_norm_geometry import RowNormConfig
     from liger_kernel.ops.swiglu import GatedActivationConfig
 
     device = torch.device("cuda")

@@ -32,7 +32,7 @@ _POINTER = "*bf16"
 
 def _cases(cols: int) -> dict[str, tuple]:
     """case -> (kernel, signature, constexprs, names of args divisible by 16)."""
-    from liger_kernel.ops import row_norm, swiglu
+    from liger_kernel.ops import row_norm, row_norm_geometry, swiglu
 
     norm_signature = {"X": _POINTER, "W": _POINTER, "B": _POINTER, "Y": _POINTER, "MEAN": "*fp32",
                       "RSTD": "*fp32", "n_rows": "i32", "n_cols": "i32", "x_row_stride": "i32",
@@ -41,7 +41,8 @@ def _cases(cols: int) -> dict[str, tuple]:
 
     # Tile shapes from the library's own launch heuristics for 16384 rows on the H200's 132 SMs
     # (the warps are the --warps asked for).
-    norm_launch = row_norm._row_norm_launch(16384, cols, 132, row_norm.RowNormConfig.heuristic(16384, cols))
+    norm_launch = row_norm_geometry._row_norm_launch(16384, cols, 132,
+                                                     row_norm_geometry.RowNormConfig.heuristic(16384, cols))
 
     def norm(center: bool) -> dict:
         return {"CENTER": center, "HAS_BIAS": center, "CASTING": 2 if center else 1, "FUSED": norm_launch.fused,

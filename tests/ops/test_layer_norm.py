@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-from liger_kernel.ops.row_norm import RowNormConfig
+from liger_kernel.ops.row_norm_geometry import RowNormConfig
 from tests.utils import DEVICE, TOLERANCES, ReplayedDropout, assert_close, rel_error, shapes
 
 # A row wider than the widest register tile, so the column-block loop runs on the CPU too.

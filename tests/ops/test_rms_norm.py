@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction, rms_norm_forward
-from liger_kernel.ops.row_norm import RowNormConfig, row_norm_launch
+from liger_kernel.ops.row_norm_geometry import RowNormConfig, row_norm_launch
 from tests.utils import DEVICE, ReplayedDropout, assert_close, rel_error, shapes, tolerance
 
 # A row wider than the widest register tile, so the column-block loop runs on the CPU too.

@@ -14,7 +14,7 @@ under several overrides and compares against the same references.
 Overriding, for tests, tuning and users who know their shapes::
 
     from liger_kernel.ops.config import override_launch_config
-    from liger_kernel.ops.row_norm import RowNormConfig
+    from liger_kernel.ops.row_norm_geometry import RowNormConfig
 
     with override_launch_config(RowNormConfig, backward_tile_elements=4096):
         y = rms_norm(x)

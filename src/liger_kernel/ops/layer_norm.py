@@ -40,7 +40,7 @@ The kernels are the row-normalisation kernels shared with RMSNorm
 (``ops.row_norm.row_norm_forward_kernel`` / ``row_norm_backward_kernel``) with ``CENTER=True``:
 one pass forward (read X, W, B; write y, mean, rstd), one persistent pass backward (read
 dy, X, W, mean, rstd; write dx and the partial dW/dB); launch tunables are the
-fields of ``ops.row_norm.RowNormConfig`` (override them with
+fields of ``ops.row_norm_geometry.RowNormConfig`` (override them with
 ``ops.config.override_launch_config``). Constant rows give xhat = 0, y = b and finite
 gradients (rstd = 1/sqrt(eps)); empty inputs give empty outputs and zero dw/db. Meta
 tensors give meta outputs of the right shape and dtype (no kernel runs).
@@ -61,8 +61,8 @@ from liger_kernel.ops.row_norm import (
     check_row_norm_args,
     row_norm_backward,
     row_norm_forward_kernel,
-    row_norm_launch,
 )
+from liger_kernel.ops.row_norm_geometry import row_norm_launch
 
 
 def check_layer_norm_args(X: object, W: object, B: object, eps: object) -> None:

@@ -53,7 +53,7 @@ X, W and rstd, one write of dx and of the (P, H) partial dW, which one more laun
 over P (fixed order) into dW of W's dtype. Rows wider than ``RowNormConfig.max_fused_block``
 are processed in column blocks (two passes over the row, the second mostly from L2) instead
 of one register tile. Tile sizes, warps and programs per SM are the fields of
-``ops.row_norm.RowNormConfig`` (override them with ``ops.config.override_launch_config``).
+``ops.row_norm_geometry.RowNormConfig`` (override them with ``ops.config.override_launch_config``).
 
 Meta tensors give meta outputs of the right shape and dtype (no kernel runs); under
 ``torch.compile`` the launchers are opaque custom ops with fake implementations.
@@ -76,8 +76,8 @@ from liger_kernel.ops.row_norm import (
     check_row_norm_args,
     row_norm_backward,
     row_norm_forward_kernel,
-    row_norm_launch,
 )
+from liger_kernel.ops.row_norm_geometry import row_norm_launch
 
 CASTING_MODES = {
     "none": ROW_NORM_CAST_NONE,
