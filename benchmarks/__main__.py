@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="time every call eagerly (host overhead included) instead of as CUDA-graph replays")
     p.add_argument("--no-plots", action="store_true", help="skip bench.png")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing each case, profile one more call: device time by kind of kernel (GEMM, "
+                        "Triton, Inductor, copies, other) and idle time into kernel_profile.csv/.txt "
+                        "(benchmarks/kernel_profile.py)")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ConfigClass.field=VALUE", dest="overrides",
                    help="override a launch-configuration field for this run, e.g. "
                         "liger_kernel.ops.cross_entropy.CrossEntropyConfig.prefetch=False "
@@ -140,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after the interpreter switch
 
     from benchmarks import harness
+    from benchmarks.kernel_profile import ProfileLog
 
     specs = load_specs(args.ops)
     if args.list:
@@ -173,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = harness.RunConfig(
         device=device, dtype=getattr(torch, DTYPES[args.dtype]), modes=args.modes, providers=args.providers + extra,
         quick=args.quick, tiny=tiny, compile_sweep=args.compile_sweep, max_seconds=args.max_seconds, timing=timing,
+        profile=ProfileLog(out) if args.profile else None,
     )
     print(f"measuring hardware ceilings on {label} ...", file=sys.stderr, flush=True)
     hw = harness.measure_hardware(device, timing)
@@ -197,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(harness.format_table(rows))
     print(f"\nCSV: {csv_path}")
+    if cfg.profile is not None:
+        print(f"kernel profile: {cfg.profile.csv_path}, {cfg.profile.text_path}")
     if not args.no_plots:
         from benchmarks import plots
 

@@ -68,6 +68,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.kernel_profile import ProfileLog, profile_call
+
 MODES = ("forward", "backward", "full")
 PROVIDERS = ("liger", "hf_eager", "torch_compile")
 # Providers run in this order within a shape so liger's comparisons are ready when it ends.
@@ -641,6 +643,7 @@ class RunConfig:
     compile_sweep: bool = False  # torch.compile every sweep shape, not only the target shape
     max_seconds: float = 0.0  # 0: no limit; else later cases are recorded as skipped
     timing: TimingConfig = field(default_factory=TimingConfig)
+    profile: ProfileLog | None = None  # --profile: one more call per case under torch.profiler
 
 
 @dataclass
@@ -725,7 +728,7 @@ class Runner:
             inputs = unit.spec.make_inputs(unit.shape, cfg.dtype, cfg.device)
             restore = restorers(inputs, mutates)
             for mode in cfg.modes:
-                results[mode] = self._measure_mode(fn, inputs, mode, restore[mode])
+                results[mode] = self._measure_mode(fn, inputs, mode, restore[mode], unit, provider)
                 if results[mode][0] == "oom":
                     _free_memory(cfg.device)
         except torch.cuda.OutOfMemoryError:
@@ -755,7 +758,8 @@ class Runner:
             return torch.compile(spec.reference, dynamic=False), ()
         raise ValueError(f"unknown provider {provider!r}")
 
-    def _measure_mode(self, fn, inputs: Inputs, mode: str, restore) -> tuple[str, Timing | None, float]:
+    def _measure_mode(self, fn, inputs: Inputs, mode: str, restore, unit: _Unit,
+                      provider: str) -> tuple[str, Timing | None, float]:
         device = self.cfg.device
         run, setup = mode_callables(fn, inputs, mode, restore)
         try:
@@ -767,6 +771,10 @@ class Runner:
             peak = peak_extra_mib(run, setup, device)
             # backward mode's setup builds a fresh forward graph per call: not replayable.
             timing = time_ms(run, setup, device, self.cfg.timing, graph_ok=mode != "backward")
+            if self.cfg.profile is not None:
+                case = {"op": unit.spec.name, "shape": shape_text(unit.shape), "provider": provider, "mode": mode}
+                floor_ms = unit.spec.floor(unit.shape, self.cfg.dtype, mode).ms(self.hw)
+                self.cfg.profile.add(case, floor_ms, profile_call(run, setup, device))
             return "ok", timing, peak
         except torch.cuda.OutOfMemoryError:
             return "oom", None, NAN
