@@ -2,7 +2,7 @@
 PY ?= python3
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test test-pythons demo lint bench gpu-check hub-kernel
+.PHONY: setup test test-pythons demo lint bench gpu-check hub-kernel compile-check
 
 # The trl extra's range (pyproject.toml): later TRL versions no longer call the chunked losses.
 TRL_IN_RANGE = from importlib.metadata import version; from packaging.version import Version as V; \
@@ -23,6 +23,10 @@ test: setup
 PYTHONS ?= 3.10 3.11 3.12 3.13
 test-pythons:
 	bash scripts/test_pythons.sh $(PYTHONS)
+
+# Every kernel launch the ops' CPU tests make, compiled for sm_90a (PTX, then ptxas) without a GPU.
+compile-check: setup
+	OMP_NUM_THREADS=1 $(PY) scripts/compile_check.py $(or $(ARGS),tests/ops)
 
 demo: setup
 	$(PY) scripts/demo.py $(ARGS)
