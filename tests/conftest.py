@@ -33,10 +33,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    # A different seed per test run keeps inputs fresh; it is printed on failure, and
-    # LIGER_TEST_SEED=<seed> replays it.
+def _fresh_seed(request):
+    # A different seed per test run keeps inputs fresh; a failure's report names it (see
+    # pytest_runtest_makereport), and LIGER_TEST_SEED=<seed> replays it.
     replay = os.environ.get("LIGER_TEST_SEED")
     seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
+    request.node.liger_test_seed = seed
     torch.manual_seed(seed)
     yield seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = getattr(item, "liger_test_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("random seed", f"replay with LIGER_TEST_SEED={seed}"))
+    return report

@@ -382,13 +382,18 @@ def test_constant_rows_match_torch(path, dtype, value):
 def test_near_constant_rows_match_torch(path):
     """Rows within a few ulps of 1000.1 (spread ~1e-4 against eps 1e-6): x - mean must not carry
     the ~ulp(1000) error of an fp32 mean, which rstd ~ 1e4 would amplify. The output must be
-    as close to the float64 truth as fp32 allows; the gradients within 2x of torch's fp32 error."""
+    as close to the float64 truth as fp32 allows; the gradients within 2x of torch's fp32 error.
+
+    32 rows: dW sums over them, and over 3 rows the ratio of its error to torch's swung between
+    0.1x and 2.6x from one draw to the next (both round the mean to fp32 in backward); over 32 it
+    stays within 0.2x-0.75x."""
     hidden, block = CONSTANT_ROW_PATHS[path]
-    eps = 1e-6
+    eps, rows = 1e-6, 32
     c = torch.tensor(1000.1)
     ulp = float(torch.nextafter(c, torch.tensor(2000.0)) - c)
-    x = (c + ulp * torch.randint(-3, 4, (3, hidden)).float()).to(DEVICE)
-    w, b, dy = torch.randn(hidden, device=DEVICE), torch.randn(hidden, device=DEVICE), torch.randn(3, hidden, device=DEVICE)
+    x = (c + ulp * torch.randint(-3, 4, (rows, hidden)).float()).to(DEVICE)
+    w, b = torch.randn(hidden, device=DEVICE), torch.randn(hidden, device=DEVICE)
+    dy = torch.randn(rows, hidden, device=DEVICE)
     overrides = {} if block is None else {"max_fused_block": block}
     with override_launch_config(RowNormConfig, **overrides):
         ours = run(liger, x, w, b, dy, eps)
