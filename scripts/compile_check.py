@@ -12,7 +12,8 @@ path refuses). This script closes that gap without a device, in two steps:
    ``cuda`` capability 90 down to PTX, then ``ptxas`` (the one Triton bundles) to a cubin; a
    failure at either stage is reported with the launch that caused it. A launch recorded with
    ``ROUND_BY_HAND=True`` (the interpreter's rounding) is compiled with ``False`` too, the
-   branch the GPU runs; tile sizes and warps stay the interpreter's.
+   branch the GPU runs; tile sizes and warps stay the interpreter's. Worker processes compile;
+   a compiler crash (a signal) fails the launch it was on, and the rest go on.
 
 It proves compilation only, not the compiled kernels' numbers (that takes the GPU suite), and
 it compiles with the local Triton, which may be newer than the GPU image's.
@@ -39,7 +40,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,14 +157,48 @@ def with_compiled_rounding(lines: list[str]) -> list[str]:
     return list(out)
 
 
+def _compile_share(launches: Path, indices: list[int]) -> dict[int, str | None]:
+    """Compile the launches at ``indices`` (lines of ``launches``) in a worker process; a compiler
+    crash (a signal, not an exception) is charged to the launch it was on, and a fresh worker takes
+    the rest."""
+    results: dict[int, str | None] = {}
+    pending = list(indices)
+    while pending:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "compile-worker", str(launches),
+                               ",".join(map(str, pending))], capture_output=True, text=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                index, payload = line[len("RESULT "):].split(" ", 1)
+                results[int(index)] = json.loads(payload)
+        pending = [i for i in pending if i not in results]
+        if pending:
+            reason = (f"the compiler crashed (exit code {proc.returncode})" if proc.returncode
+                      else "the worker stopped early") + f": {proc.stderr.strip()[-500:]}"
+            results[pending.pop(0)] = reason
+    return results
+
+
+def compile_worker(launches: Path, indices: list[int]) -> int:
+    lines = launches.read_text().splitlines()
+    for index in indices:
+        print(f"RESULT {index} {json.dumps(compile_launch(lines[index]))}", flush=True)
+    return 0
+
+
 def compile_all(path: Path, jobs: int) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile: unset TRITON_INTERPRET (the interpreter replaces the kernels to compile)", file=sys.stderr)
         return 2
     lines = with_compiled_rounding([line for line in path.read_text().splitlines() if line.strip()])
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(compile_launch, lines))
-    failures = [(line, why) for line, why in zip(lines, results) if why is not None]
+    with tempfile.TemporaryDirectory() as tmp:
+        expanded = Path(tmp) / "launches.jsonl"
+        expanded.write_text("".join(line + "\n" for line in lines))
+        shares = [list(range(k, len(lines), jobs)) for k in range(jobs)]
+        results: dict[int, str | None] = {}
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for part in pool.map(lambda share: _compile_share(expanded, share), shares):
+                results.update(part)
+    failures = [(lines[i], results[i]) for i in range(len(lines)) if results[i] is not None]
     kernels = {tuple(json.loads(line)[k] for k in ("module", "kernel")) for line in lines}
     print(f"compiled {len(lines) - len(failures)} of {len(lines)} launches ({len(kernels)} kernels) "
           f"for sm_{TARGET_CAPABILITY}a")
@@ -177,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["record"]:
         prefix = os.environ.get("LIGER_COMPILE_CHECK_MODULES", "liger_kernel.")
         return record(Path(argv[1]), argv[2:], prefix)
+    if argv[:1] == ["compile-worker"]:
+        return compile_worker(Path(argv[1]), [int(i) for i in argv[2].split(",") if i])
     if argv[:1] == ["compile"]:
         p = argparse.ArgumentParser(prog="compile_check.py compile")
         p.add_argument("launches", type=Path)
