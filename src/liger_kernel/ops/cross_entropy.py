@@ -111,14 +111,14 @@ class CrossEntropyConfig(FixedLaunchConfig):
 
 
 @triton.jit
-def _lane_update(x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index,
+def _lane_update(x, cols, mask, lane_max, lane_sum, lane_smooth, lane_best, lane_best_index,
                  class_weight_ptr, softcap, HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr):
     """Fold one (lanes, width) column block of raw fp32 logits ``x`` (-inf where masked)
     into the per-lane pass-1 statistics; every reduction runs along axis 1 only.
 
     Per lane: running max of the (capped) logits and ``sum exp(s - shift)`` relative to it
-    (shift 0 while the max is -inf), ``sum w_c s_c`` and ``sum w_c`` (label smoothing), and
+    (shift 0 while the max is -inf), ``sum w_c s_c`` (label smoothing), and
     the first arg-max of the raw logits (columns arrive in increasing order per lane, so a
     strictly greater block maximum is the only one that replaces it).
     """
@@ -138,10 +138,9 @@ def _lane_update(x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, la
         if HAS_CLASS_WEIGHT:
             w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             lane_smooth += tl.sum(w * tl.where(mask, x, 0.0), axis=1)
-            lane_weight += tl.sum(w, axis=1)
         else:
             lane_smooth += tl.sum(tl.where(mask, x, 0.0), axis=1)
-    return new_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index
+    return new_max, lane_sum, lane_smooth, lane_best, lane_best_index
 
 
 @triton.jit
@@ -218,14 +217,13 @@ def _block_gradient(x, cols, mask, target, lse, prob_coef, onehot_coef, uniform_
 def _row_statistics(logits_row, n_cols, class_weight_ptr, softcap, HAS_CLASS_WEIGHT: tl.constexpr,
                     HAS_LABEL_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACCURACY: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, PREFETCH: tl.constexpr, LANE_WIDTH: tl.constexpr):
-    """Pass 1 over one row: ``(lse, smooth_sum, weight_total, best_index)``, from an online
+    """Pass 1 over one row: ``(lse, smooth_sum, best_index)``, from an online
     log-sum-exp, the smoothing sums and the first arg-max kept per lane (:func:`_lane_update`)."""
     lane_offsets = (tl.arange(0, BLOCK_SIZE // LANE_WIDTH)[:, None] * LANE_WIDTH
                     + tl.arange(0, LANE_WIDTH)[None, :])
     lane_max = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
     lane_smooth = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
-    lane_weight = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.float32)
     lane_best = tl.full([BLOCK_SIZE // LANE_WIDTH], float("-inf"), tl.float32)
     lane_best_index = tl.zeros([BLOCK_SIZE // LANE_WIDTH], tl.int32)
     if PREFETCH:
@@ -240,8 +238,8 @@ def _row_statistics(logits_row, n_cols, class_weight_ptr, softcap, HAS_CLASS_WEI
             x_next = tl.load(logits_row + ahead, mask=ahead < n_cols, other=float("-inf"))
         else:
             x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index = _lane_update(
-            x, cols, mask, lane_max, lane_sum, lane_smooth, lane_weight, lane_best, lane_best_index,
+        lane_max, lane_sum, lane_smooth, lane_best, lane_best_index = _lane_update(
+            x, cols, mask, lane_max, lane_sum, lane_smooth, lane_best, lane_best_index,
             class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP,
             COMPUTE_ACCURACY)
     running_max = tl.max(lane_max, axis=0)
@@ -251,7 +249,7 @@ def _row_statistics(logits_row, n_cols, class_weight_ptr, softcap, HAS_CLASS_WEI
         best_raw = tl.max(lane_best, axis=0)
         best_index = tl.min(tl.where(lane_best == best_raw, lane_best_index, 2147483647), axis=0)
     shift = tl.where(running_max == float("-inf"), 0.0, running_max)
-    return shift + tl.log(sum_exp), tl.sum(lane_smooth, axis=0), tl.sum(lane_weight, axis=0), best_index
+    return shift + tl.log(sum_exp), tl.sum(lane_smooth, axis=0), best_index
 
 
 @triton.jit
@@ -293,7 +291,7 @@ def _store_row_gradient(logits_row, grad_row, n_cols, target, target_valid, safe
 @triton.jit
 def _cross_entropy_kernel(
     logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, target_ptr, target_stride, class_weight_ptr,
-    row_scale_ptr, loss_ptr, z_loss_ptr, correct_ptr, ce_denominator_ptr, z_denominator_ptr, n_rows, n_cols,
+    weight_total_ptr, row_scale_ptr, loss_ptr, z_loss_ptr, correct_ptr, ce_denominator_ptr, z_denominator_ptr, n_rows, n_cols,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_CLASS_WEIGHT: tl.constexpr, HAS_LABEL_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, MEAN_REDUCTION: tl.constexpr,
@@ -311,6 +309,10 @@ def _cross_entropy_kernel(
     else:
         ce_scale = 1.0
         z_scale = 1.0
+    weight_total = 0.0  # sum_c w_c, the same for every row: summed once, on the host
+    if HAS_LABEL_SMOOTHING:
+        if HAS_CLASS_WEIGHT:
+            weight_total = tl.load(weight_total_ptr)
     # int64 row index: row * stride passes 2**31 for large N * V.
     for row in tl.range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         logits_row = logits_ptr + row * logits_row_stride
@@ -339,7 +341,7 @@ def _cross_entropy_kernel(
                 target_logit = softcap * capped_target
             else:
                 target_logit = target_raw
-            lse, smooth_sum, weight_total, best_index = _row_statistics(
+            lse, smooth_sum, best_index = _row_statistics(
                 logits_row, n_cols, class_weight_ptr, softcap, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_SOFTCAP,
                 COMPUTE_ACCURACY, BLOCK_SIZE, PREFETCH, LANE_WIDTH)
 
@@ -390,6 +392,11 @@ def launch_cross_entropy_kernel(logits: torch.Tensor, grad: torch.Tensor, target
     config = launch_config(CrossEntropyConfig)
     block, num_warps = row_launch_settings(n_cols, config.max_block)
     grid = (num_programs_for_rows(n_rows, logits.device, config.programs_per_sm),)
+    # sum_c w_c for label smoothing: one float32 sum here rather than a second class-weighted
+    # lane sum in every row's pass 1 (the two together crash Triton 3.9's LLVM lowering).
+    weight_total = None
+    if class_weight is not None and label_smoothing > 0:
+        weight_total = class_weight.sum(dtype=torch.float32).reshape(1)
     launch_kernel(_cross_entropy_kernel, grid,
         logits,
         logits.stride(0),
@@ -398,6 +405,7 @@ def launch_cross_entropy_kernel(logits: torch.Tensor, grad: torch.Tensor, target
         target,
         target.stride(0),
         class_weight if class_weight is not None else loss_rows,
+        weight_total if weight_total is not None else loss_rows,
         row_scale if row_scale is not None else loss_rows,
         loss_rows,
         z_rows,
