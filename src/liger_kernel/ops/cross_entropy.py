@@ -152,13 +152,13 @@ def _rescaled_sum(part_max, part_sum, new_max):
 
 
 @triton.jit
-def _row_loss(lse, target_logit, smooth_sum, weight_total, target_weight, n_cols, label_smoothing,
+def _row_loss(lse, target_logit, smooth_sum, weight_total_ptr, target_weight, n_cols, label_smoothing,
               lse_square_scale, ce_scale, z_scale, HAS_CLASS_WEIGHT: tl.constexpr,
               HAS_LABEL_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
-    """``(ce_i, z_i)`` of one row, already divided by the mean's denominators (see module docstring)."""
+    """``(ce_i, z_i)`` of one row, already divided by the mean's denominators (see module docstring).
+    ``weight_total_ptr`` holds ``sum_c w_c`` (read only with class weights and label smoothing)."""
     if HAS_LABEL_SMOOTHING:
-        if not HAS_CLASS_WEIGHT:
-            weight_total = n_cols * 1.0
+        weight_total = tl.load(weight_total_ptr) if HAS_CLASS_WEIGHT else n_cols * 1.0
         ce_loss = (1.0 - label_smoothing) * target_weight * (lse - target_logit)
         ce_loss += (label_smoothing / n_cols) * (lse * weight_total - smooth_sum)
     else:
@@ -170,13 +170,12 @@ def _row_loss(lse, target_logit, smooth_sum, weight_total, target_weight, n_cols
 
 
 @triton.jit
-def _gradient_coefficients(lse, target_weight, weight_total, n_cols, label_smoothing, lse_square_scale,
+def _gradient_coefficients(lse, target_weight, weight_total_ptr, n_cols, label_smoothing, lse_square_scale,
                            ce_scale, z_scale, row_scale, HAS_CLASS_WEIGHT: tl.constexpr,
                            HAS_LABEL_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
     """``(prob_coef, onehot_coef, uniform_coef)`` with dL/ds_c = prob_coef p_c - onehot_coef d_c - uniform_coef w_c."""
     if HAS_LABEL_SMOOTHING:
-        if not HAS_CLASS_WEIGHT:
-            weight_total = n_cols * 1.0
+        weight_total = tl.load(weight_total_ptr) if HAS_CLASS_WEIGHT else n_cols * 1.0
         smoothing_per_class = label_smoothing / n_cols
         onehot_coef = (1.0 - label_smoothing) * target_weight * ce_scale * row_scale
         prob_coef = onehot_coef + smoothing_per_class * weight_total * ce_scale * row_scale
@@ -309,10 +308,6 @@ def _cross_entropy_kernel(
     else:
         ce_scale = 1.0
         z_scale = 1.0
-    weight_total = 0.0  # sum_c w_c, the same for every row: summed once, on the host
-    if HAS_LABEL_SMOOTHING:
-        if HAS_CLASS_WEIGHT:
-            weight_total = tl.load(weight_total_ptr)
     # int64 row index: row * stride passes 2**31 for large N * V.
     for row in tl.range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         logits_row = logits_ptr + row * logits_row_stride
@@ -350,7 +345,7 @@ def _cross_entropy_kernel(
                 target_weight = target_weight.to(tl.float32)
             else:
                 target_weight = 1.0
-            ce_loss, z_loss = _row_loss(lse, target_logit, smooth_sum, weight_total, target_weight, n_cols,
+            ce_loss, z_loss = _row_loss(lse, target_logit, smooth_sum, weight_total_ptr, target_weight, n_cols,
                                         label_smoothing, lse_square_scale, ce_scale, z_scale, HAS_CLASS_WEIGHT,
                                         HAS_LABEL_SMOOTHING, HAS_Z_LOSS)
             tl.store(loss_ptr + row, tl.where(target_valid, ce_loss + z_loss, float("nan")))
@@ -365,7 +360,7 @@ def _cross_entropy_kernel(
                 if HAS_ROW_SCALE:
                     row_scale = tl.load(row_scale_ptr + row).to(tl.float32)
                 prob_coef, onehot_coef, uniform_coef = _gradient_coefficients(
-                    lse, target_weight, weight_total, n_cols, label_smoothing, lse_square_scale, ce_scale, z_scale,
+                    lse, target_weight, weight_total_ptr, n_cols, label_smoothing, lse_square_scale, ce_scale, z_scale,
                     row_scale, HAS_CLASS_WEIGHT, HAS_LABEL_SMOOTHING, HAS_Z_LOSS)
                 _store_row_gradient(logits_row, grad_row, n_cols, target, target_valid, safe_target, target_raw, lse,
                                     prob_coef, onehot_coef, uniform_coef, class_weight_ptr, softcap, HAS_CLASS_WEIGHT,
