@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from benchmarks import bench_cross_entropy, bench_gated_mlp, bench_norms, bench_rope
+from benchmarks import (
+    bench_cross_entropy,
+    bench_gated_mlp,
+    bench_norms,
+    bench_post_training,
+    bench_rl_distillation,
+    bench_rope,
+)
 from benchmarks.harness import (
     TimingConfig,
     measure_hardware,
@@ -41,6 +48,11 @@ from benchmarks.harness import (
 )
 from liger_kernel.ops.config import LaunchConfig, override_launch_config
 from liger_kernel.ops.head_chunking import HeadChunkConfig
+from liger_kernel.ops.head_epilogue import HeadEpilogueConfig
+
+# The losses through the LM head that share HeadChunkConfig's budget, and the budgets swept.
+HEAD_OPS = ("fused_linear_cross_entropy", "grpo", "dpo", "fused_linear_logprobs", "fused_linear_jsd")
+HEAD_BUDGET_FRACTIONS = (0.5, 0.75, 1.0, 1.25)
 
 
 def _set(module: Any, values: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default="", help="comma list of cross_entropy,cross_entropy_grid,flce,"
                                               "flce_breakdown,flce_loss_kernel,flce_grad_weight_forms,rms_norm,layer_norm,"
-                                              "rope,swiglu,geglu "
+                                              "rope,swiglu,geglu,head_chunks,head_epilogue "
                                               "(default: all)")
     p.add_argument("--max-seconds", type=float, default=400.0)
     p.add_argument("--emit-best", type=Path, default=None,
@@ -279,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     hw = measure_hardware(device, cfg)
     print(hw.describe(), flush=True)
     only = {s for s in args.only.split(",") if s}
-    specs = {s.name: s for m in (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy) for s in m.SPECS}
+    specs = {s.name: s for m in (bench_norms, bench_rope, bench_gated_mlp, bench_cross_entropy, bench_post_training,
+                                 bench_rl_distillation) for s in m.SPECS}
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.max_seconds
     with open(args.out / "tune.csv", "w", newline="") as f:
@@ -341,6 +354,19 @@ def main(argv: list[str] | None = None) -> int:
             flce_grad_weight_forms(device, cfg, writer)
         if want("flce_breakdown"):
             flce_chunk_breakdown((256, 384, 512, 1024, 2048), device, cfg, writer)
+        if want("head_chunks"):
+            # Every head-bound loss at its target shape under each chunk budget: fewer, larger
+            # chunks re-read dW less often and run fuller GEMMs, at a higher peak.
+            for op in HEAD_OPS:
+                spec = specs[op]
+                _sweep(op, HeadChunkConfig, [{"budget_fraction": f} for f in HEAD_BUDGET_FRACTIONS],
+                       spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+        if want("head_epilogue"):
+            # The epilogue kernels' column tiles and warps, on the losses whose chunks they walk.
+            for op in ("grpo", "fused_linear_logprobs"):
+                spec = specs[op]
+                _sweep(op, HeadEpilogueConfig, _config_candidates(HeadEpilogueConfig), spec, spec.gpu_shapes[0],
+                       dtype, device, cfg, writer, deadline)
         if want("flce"):
             spec = specs["fused_linear_cross_entropy"]
             _sweep("fused_linear_cross_entropy", HeadChunkConfig, [
