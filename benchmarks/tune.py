@@ -46,6 +46,7 @@ from benchmarks.harness import (
     restorers,
     time_ms,
 )
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig
 from liger_kernel.ops.config import LaunchConfig, override_launch_config
 from liger_kernel.ops.head_chunking import HeadChunkConfig
 from liger_kernel.ops.head_epilogue import HeadEpilogueConfig
@@ -361,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
                 spec = specs[op]
                 _sweep(op, HeadChunkConfig, [{"budget_fraction": f} for f in HEAD_BUDGET_FRACTIONS],
                        spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+            # Whole pairs a chunk: the count nearest the budget (two at DPO's target shape) or
+            # only as many as fit under it (one).
+            spec = specs["dpo"]
+            _sweep("dpo", ChunkedHeadConfig, [{"unit_overshoot": 1.0}, {"unit_overshoot": 4 / 3}], spec,
+                   spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("head_epilogue"):
             # The epilogue kernels' column tiles and warps, on the losses whose chunks they walk.
             for op in ("grpo", "fused_linear_logprobs"):

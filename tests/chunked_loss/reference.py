@@ -34,8 +34,8 @@ def engine_plan(x, weight, paired, additive, needs=(True, True)):
     n_groups, seq_len, _ = x.shape
     floor = (x.numel() * x.element_size() if needs[0] else 0) + \
         (weight.numel() * weight.element_size() if needs[1] else 0)
-    rows = launch_config(ChunkedHeadConfig, n_groups * seq_len, weight.shape[0], floor).chunk_rows
-    return chunk_plan(n_groups, seq_len, paired, additive, rows)
+    config = launch_config(ChunkedHeadConfig, n_groups * seq_len, weight.shape[0], floor)
+    return chunk_plan(n_groups, seq_len, paired, additive, config.chunk_rows, config.unit_overshoot)
 
 
 def engine_logits(x, weight, bias, plan):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_kernel.ops.chunked_head import ChunkedHeadConfig, chunk_plan, chunked_head_loss
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig, chunk_plan, chunked_head_loss, units_per_chunk
 from liger_kernel.ops.config import override_launch_config
 from tests.chunked_loss.reference import (
     assert_grads_match,
@@ -124,14 +124,15 @@ SHAPES = [(4, 5, 16, 37, 10), (6, 3, 32, 101, 7), (2, 1, 8, 2, 1), (4, 7, 16, 25
                                                          (True, False, True), (False, True, False)])
 def test_matches_float64(n_groups, seq_len, hidden, vocab, chunk_rows, dtype, paired, with_ref, with_bias):
     plan = run_case(n_groups, seq_len, hidden, vocab, dtype, with_bias, paired, with_ref, True, chunk_rows)
-    assert plan.one_pass == (seq_len * (2 if paired else 1) <= chunk_rows)
+    overshoot = ChunkedHeadConfig(chunk_rows=chunk_rows).unit_overshoot
+    assert plan.one_pass == (seq_len * (2 if paired else 1) <= int(chunk_rows * overshoot))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("paired, additive, chunk_rows", [(True, True, 3), (False, True, 4), (False, False, 5),
+@pytest.mark.parametrize("paired, additive, chunk_rows", [(True, True, 3), (False, True, 3), (False, False, 5),
                                                           (True, False, 1000)])
 def test_two_passes_match_float64(dtype, paired, additive, chunk_rows):
-    """Chunks shorter than a sequence (or a pair), or a loss coupling all groups: two passes."""
+    """A sequence (or a pair) over the chunk's limit, or a loss coupling all groups: two passes."""
     plan = run_case(4, 5, 16, 53, dtype, True, paired, True, additive, chunk_rows)
     assert not plan.one_pass
 
@@ -149,6 +150,27 @@ def test_plan_covers_rows_once():
                 if paired:  # whole pairs: group i with group i + B/2
                     (a, b), (c, d) = ranges
                     assert (c - a, d - b) == (n_groups // 2, n_groups // 2)
+
+
+@pytest.mark.parametrize("n_groups, seq_len, paired, chunk_rows, units, one_pass", [
+    (16, 1024, True, 3268, 2, True),    # 1.6 pairs of budget: two pairs a chunk (4096 <= 4357 rows)
+    (8, 1024, False, 3268, 3, True),    # 3.2 sequences: three
+    (8, 4096, False, 3268, 1, True),    # a sequence 25% over the budget: still one pass
+    (8, 4096, False, 3000, 0, False),   # 37% over: two passes
+    (8, 1024, False, 1400, 1, True),    # 1.37 sequences: one (two would be 2048 > 1866 rows)
+])
+def test_whole_units_nearest_the_budget(n_groups, seq_len, paired, chunk_rows, units, one_pass):
+    overshoot = 4 / 3
+    unit_rows = seq_len * (2 if paired else 1)
+    assert units_per_chunk(unit_rows, chunk_rows, overshoot) == units
+    plan = chunk_plan(n_groups, seq_len, paired, True, chunk_rows, overshoot)
+    assert plan.one_pass == one_pass
+    limit = int(chunk_rows * overshoot) if one_pass else chunk_rows
+    assert all(sum(b - a for a, b in ranges) <= limit for ranges in plan.row_ranges)
+    covered = sorted(r for ranges in plan.row_ranges for a, b in ranges for r in range(a, b))
+    assert covered == list(range(n_groups * seq_len))
+    if one_pass:
+        assert len(plan.row_ranges) == -(-(n_groups // (2 if paired else 1)) // units)
 
 
 def test_frozen_weight_and_empty_batch():

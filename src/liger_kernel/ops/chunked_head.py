@@ -71,7 +71,8 @@ is three GEMMs (the floor) plus about three passes over the chunk's memory.
 Chunk size: :class:`ChunkedHeadConfig`, from the budget every head-bound loss shares
 (:mod:`liger_kernel.ops.head_chunking`: a fraction of the dW + dX bytes), counting the bytes a
 logit costs on the chunk's path (the element size on the closed-form path; 12 bytes under
-autograd: the upcast logits, a log-softmax and the gradient). Gradients are computed in the
+autograd: the upcast logits, a log-softmax and the gradient); a one-pass chunk holds the number
+of whole units nearest that budget, up to a third over it. Gradients are computed in the
 forward pass for a unit upstream gradient; backward only scales them
 (:mod:`liger_kernel.ops.scaling`).
 
@@ -115,32 +116,41 @@ AUTOGRAD_BYTES_PER_LOGIT = 12
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedHeadConfig(LaunchConfig):
-    """The most rows of logits a chunk holds (:func:`chunk_plan` balances the chunks under it;
-    in one-pass mode a chunk holds whole groups)."""
+    """The rows of logits a chunk holds: ``chunk_rows`` from the memory budget (:func:`chunk_plan`
+    balances the chunks under it). In one-pass mode a chunk holds whole units (groups, or pairs
+    of groups), as many as come nearest to ``chunk_rows``, never more than ``unit_overshoot``
+    times it: a budget of 1.6 pairs then takes two pairs a chunk rather than one (half the dW
+    re-reads, fuller GEMMs), and a unit up to a third over the budget still runs in one pass
+    (two passes cost a third more GEMM work). At the default budget (three quarters of the
+    gradients' bytes) the chunk then stays within the gradients' bytes, the peak within twice them."""
 
     chunk_rows: int
+    unit_overshoot: float = 4 / 3
+
+    def __post_init__(self):
+        if not self.unit_overshoot >= 1.0:
+            raise ValueError(f"ChunkedHeadConfig.unit_overshoot must be >= 1, got {self.unit_overshoot!r}")
 
     @classmethod
     def heuristic(cls, n_rows: int, n_cols: int, floor_bytes: int, bytes_per_logit: int = 4) -> ChunkedHeadConfig:
         return cls(chunk_rows=min(max(1, n_rows), budget_rows(n_cols, bytes_per_logit, floor_bytes)))
 
 
-def engine_chunk_rows(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool], closed_form: bool,
-                      beside: torch.Tensor | None = None) -> int:
-    """The most rows of logits one chunk of the engine holds for hidden states ``x`` (..., D)
-    through ``weight`` (V, D) producing the gradients ``needs`` says: each logit costs its
-    element size on the closed-form path (12 bytes under autograd), plus, where ``token_fn``
-    reads a second head's logits ``beside`` the chunk, that head's element size (4 bytes, float32,
-    under autograd)."""
+def engine_chunk_config(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool], closed_form: bool,
+                        beside: torch.Tensor | None = None) -> ChunkedHeadConfig:
+    """The engine's chunk configuration for hidden states ``x`` (..., D) through ``weight`` (V, D)
+    producing the gradients ``needs`` says: each logit costs its element size on the closed-form
+    path (12 bytes under autograd), plus, where ``token_fn`` reads a second head's logits
+    ``beside`` the chunk, that head's element size (4 bytes, float32, under autograd)."""
     bytes_per_logit = x.element_size() if closed_form else AUTOGRAD_BYTES_PER_LOGIT
     if beside is not None:
         bytes_per_logit += beside.element_size() if closed_form else 4
     n_rows = x.numel() // max(1, x.shape[-1])
     floor_bytes = gradient_bytes(x, weight, bool(needs[0]), bool(needs[1]))
-    chunk_rows = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes, bytes_per_logit).chunk_rows
-    if chunk_rows < 1:
-        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {chunk_rows}")
-    return chunk_rows
+    config = launch_config(ChunkedHeadConfig, n_rows, weight.shape[0], floor_bytes, bytes_per_logit)
+    if config.chunk_rows < 1:
+        raise ValueError(f"ChunkedHeadConfig.chunk_rows must be >= 1, got {config.chunk_rows}")
+    return config
 
 
 def per_token_row_ranges(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool],
@@ -148,7 +158,7 @@ def per_token_row_ranges(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[
     """The row ranges of 2-D ``x`` (N, D) the engine uses for a closed-form ``token_fn`` with every
     row a group of its own (per-token outputs), so that a forward pass outside the engine computes
     exactly the logits its backward recomputes."""
-    rows = engine_chunk_rows(x, weight, needs, True, beside)
+    rows = engine_chunk_config(x, weight, needs, True, beside).chunk_rows
     return [r for (r,) in chunk_plan(x.shape[0], 1, False, True, rows).row_ranges]
 
 
@@ -229,21 +239,36 @@ class ChunkPlan:
     group_ranges: tuple[Ranges, ...]
 
 
-def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_rows: int) -> ChunkPlan:
-    """The chunks of a (B=n_groups, T=seq_len) batch for ``chunk_rows`` rows of logits per chunk.
+def units_per_chunk(unit_rows: int, chunk_rows: int, unit_overshoot: float = 1.0) -> int:
+    """Whole units of ``unit_rows`` rows a one-pass chunk holds for a budget of ``chunk_rows``:
+    the count nearest the budget, at most ``unit_overshoot * chunk_rows`` rows; 0 where even one
+    unit is over that."""
+    limit = int(chunk_rows * unit_overshoot)
+    fit = limit // max(1, unit_rows)
+    nearest = (2 * chunk_rows + unit_rows) // (2 * max(1, unit_rows))  # round half up
+    return min(fit, max(1, nearest))
 
-    One pass when the loss is additive and a unit (a group, or a pair of groups) fits: the
-    fewest chunks of whole units that fit, balanced. Otherwise two passes over balanced row ranges.
+
+def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_rows: int,
+               unit_overshoot: float = 1.0) -> ChunkPlan:
+    """The chunks of a (B=n_groups, T=seq_len) batch for a budget of ``chunk_rows`` rows of logits
+    per chunk.
+
+    One pass when the loss is additive and a unit (a group, or a pair of groups) fits within
+    ``unit_overshoot`` times the budget: chunks of :func:`units_per_chunk` whole units at most,
+    as few as that allows, balanced. Otherwise two passes over balanced row ranges of at most
+    ``chunk_rows``.
     """
     n_rows = n_groups * seq_len
     unit_rows = seq_len * (2 if paired else 1)
     if n_rows == 0:
         return ChunkPlan(True, (), ())
-    if additive and unit_rows <= chunk_rows:
+    units = units_per_chunk(unit_rows, chunk_rows, unit_overshoot)
+    if additive and units >= 1:
         half = n_groups // 2
         n_units = half if paired else n_groups
         groups = []
-        for start, stop in balanced_ranges(n_units, chunk_rows // unit_rows):
+        for start, stop in balanced_ranges(n_units, units):
             groups.append(((start, stop), (half + start, half + stop)) if paired else ((start, stop),))
         rows = tuple(tuple((a * seq_len, b * seq_len) for a, b in g) for g in groups)
         return ChunkPlan(True, rows, tuple(groups))
@@ -371,9 +396,9 @@ def chunked_head_loss_and_grads(
     n_rows, n_cols = n_groups * seq_len, weight.shape[0]
     closed_form = _in_place(token_fn)
     beside = ref_x if ref_logits_to_token_fn and ref_weight is not None else None
-    chunk_rows = engine_chunk_rows(x, weight, needs, closed_form, beside)
+    config = engine_chunk_config(x, weight, needs, closed_form, beside)
     grads = _GradAccumulator(x, weight, bias, needs, accum_fp32)
-    plan = chunk_plan(n_groups, seq_len, paired, additive, chunk_rows)
+    plan = chunk_plan(n_groups, seq_len, paired, additive, config.chunk_rows, config.unit_overshoot)
     rows = _Rows(x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn, closed_form)
     with torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
         if n_rows == 0:
