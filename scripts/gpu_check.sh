@@ -11,6 +11,11 @@
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (default: $OUT)
 # Environment:
 #   GPU_CHECK_TESTS=0|1 (1)   GPU_CHECK_BENCH=0|1 (1)   GPU_CHECK_E2E=0|1 (1)   GPU_CHECK_CENSUS=0|1 (0)
+#   GPU_CHECK_TUNE=0|1 (0)  python -m benchmarks.tune after the benchmarks (tune.csv; its log into bench.log),
+#                 TUNE_ONLY its --only list (default head_chunks,head_epilogue: every head-bound loss under
+#                 each chunk budget, the epilogue kernels' tiles)
+#   Test-only wheels: .whl/tests/*.whl (kernels and tomlkit, for tests/hub) are installed offline into
+#                 $TMPDIR/liger_test_site and put on the tests' PYTHONPATH whenever that folder travels.
 #   GPU_CHECK_CENSUS=1 runs the full model census last (census.log, and the generated table as
 #                 models.md: copy it to docs/models.md); GPU_CHECK_CENSUS_JOBS (4) worker processes
 #   PYTEST_ARGS   extra pytest arguments, e.g. "-x" or "-k rms_norm"
@@ -60,6 +65,7 @@ run_tests=${GPU_CHECK_TESTS:-1}
 run_bench=${GPU_CHECK_BENCH:-1}
 run_e2e=${GPU_CHECK_E2E:-1}
 run_census=${GPU_CHECK_CENSUS:-0}
+run_tune=${GPU_CHECK_TUNE:-0}
 budget=${GPU_CHECK_BUDGET_S:-570}
 e2e_script=benchmarks/e2e_training.py
 [ -f "$e2e_script" ] || run_e2e=0
@@ -75,8 +81,10 @@ remaining() { echo $((budget - (SECONDS - started))); }
 stage_seconds() {
   local reserve=0
   case "$1" in
-    tests) [ "$run_bench" = 1 ] && reserve=$((reserve + 330)); [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)) ;;
-    bench) [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)) ;;
+    tests) [ "$run_bench" = 1 ] && reserve=$((reserve + 330)); [ "$run_e2e" = 1 ] && reserve=$((reserve + 150))
+      [ "$run_tune" = 1 ] && reserve=$((reserve + 120)) ;;
+    bench) [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)); [ "$run_tune" = 1 ] && reserve=$((reserve + 120)) ;;
+    tune) [ "$run_e2e" = 1 ] && reserve=$((reserve + 150)) ;;
   esac
   [ "$1" != census ] && [ "$run_census" = 1 ] && reserve=$((reserve + 150))
   local s=$(($(remaining) - reserve - 10))
@@ -195,8 +203,17 @@ if [ "${GPU_CHECK_PEERS:-0}" = 1 ]; then
   BENCH_ARGS="--peers all ${BENCH_ARGS:-}"
 fi
 
+test_wheels=${GPU_CHECK_WHEELS:-$root/.whl}/tests
+if compgen -G "$test_wheels/*.whl" >/dev/null; then
+  test_site=${TMPDIR:-/tmp}/liger_test_site
+  {
+    echo "# test-only wheels from $test_wheels"
+    "$PY" -m pip install --no-index --no-deps --upgrade --target "$test_site" "$test_wheels"/*.whl 2>&1 | tail -2
+  } >>"$out/env.txt" 2>&1
+fi
+
 status=0
-tests_rc=skipped bench_rc=skipped e2e_rc=skipped census_rc=skipped
+tests_rc=skipped bench_rc=skipped e2e_rc=skipped census_rc=skipped tune_rc=skipped
 
 # ---------------------------------------------------------------- tests
 if [ "$run_tests" = 1 ]; then
@@ -206,13 +223,14 @@ if [ "$run_tests" = 1 ]; then
   # GPU_CHECK_WORKERS (6) xdist workers sharing the GPU. Both stages share the tests' budget.
   secs=$(stage_seconds tests)
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  LIGER_TEST_SHAPES=full with_timeout $((secs < 300 ? secs : 300)) "$PY" -m pytest tests/ops/test_huge_tensors.py \
+  tests_path="$PYTHONPATH${test_site:+:$test_site}"
+  PYTHONPATH="$tests_path" LIGER_TEST_SHAPES=full with_timeout $((secs < 300 ? secs : 300)) "$PY" -m pytest tests/ops/test_huge_tensors.py \
     tests/ops/test_fused_linear_cross_entropy.py -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} \
     >"$out/tests_serial.log" 2>&1
   huge_rc=$?
   secs=$(stage_seconds tests)  # what the serial stage left
   # shellcheck disable=SC2086
-  LIGER_TEST_SHAPES=full with_timeout "$secs" "$PY" -m pytest tests -q -ra -p no:cacheprovider \
+  PYTHONPATH="$tests_path" LIGER_TEST_SHAPES=full with_timeout "$secs" "$PY" -m pytest tests -q -ra -p no:cacheprovider \
     -n "${GPU_CHECK_WORKERS:-6}" \
     --ignore tests/ops/test_huge_tensors.py --ignore tests/ops/test_fused_linear_cross_entropy.py \
     --junitxml="$out/junit.xml" ${PYTEST_ARGS:-} >"$out/tests.log" 2>&1
@@ -230,6 +248,20 @@ if [ "$run_bench" = 1 ]; then
     ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   bench_rc=$?
   [ "$bench_rc" = 0 ] || status=1
+fi
+
+# ---------------------------------------------------------------- launch-parameter sweeps
+if [ "$run_tune" = 1 ]; then
+  secs=$(stage_seconds tune)
+  echo "== benchmarks.tune ${TUNE_ONLY:-head_chunks,head_epilogue} (up to ${secs}s) ==" >&2
+  {
+    echo
+    echo "=== python -m benchmarks.tune --only ${TUNE_ONLY:-head_chunks,head_epilogue} ==="
+  } >>"$out/bench.log"
+  with_timeout "$secs" "$PY" -m benchmarks.tune --only "${TUNE_ONLY:-head_chunks,head_epilogue}" --out "$out" \
+    --max-seconds $((secs - 30 > 30 ? secs - 30 : 30)) >>"$out/bench.log" 2>&1
+  tune_rc=$?
+  [ "$tune_rc" = 0 ] || status=1
 fi
 
 # ---------------------------------------------------------------- end-to-end training
@@ -302,6 +334,8 @@ if [ "$run_bench" = 1 ]; then
     tail -15 "$out/bench.log"
   fi
 fi
+echo "tune: exit $tune_rc"
+[ "$run_tune" = 1 ] && [ -f "$out/tune.csv" ] && column -s, -t <"$out/tune.csv" | head -40
 echo "e2e: exit $e2e_rc"
 if [ "$run_e2e" = 1 ]; then
   if [ -n "${E2E_RUNS:-}" ]; then

@@ -255,3 +255,37 @@ def test_token_statistics_bad_arguments_raise():
         fused_linear_token_statistics(x, weight, target, accum_dtype=torch.float16)
     with pytest.raises(ValueError, match="temperature"):
         fused_linear_token_statistics(x, weight, target, temperature=-1.0)
+
+
+def test_backward_reads_each_chunk_once(monkeypatch):
+    """The backward reuses the forward's row statistics: it runs no statistics pass over the
+    recomputed logits, only the gradient pass (and gets the same gradients as a run that does)."""
+    from liger_kernel.ops import head_epilogue
+
+    x, weight, _, target = random_head((9,), 16, 41, torch.float32, False)
+    g, h = torch.randn(9, device=DEVICE), torch.randn(9, device=DEVICE)
+    calls = {"statistics": 0}
+    counted = head_epilogue.row_statistics
+
+    def counting(*args, **kwargs):
+        calls["statistics"] += 1
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(head_epilogue, "row_statistics", counting)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight)]
+    with override_launch_config(ChunkedHeadConfig, chunk_rows=4):
+        logp, entropy = fused_linear_logprobs(leaves[0], leaves[1], target, None, 0.8)
+        forward_passes = calls["statistics"]
+        ((logp * g).sum() + (entropy * h).sum()).backward()
+    assert forward_passes == 3 and calls["statistics"] == forward_passes
+    # The same gradients with the statistics recomputed in backward from the fresh logits.
+    from liger_kernel.ops.chunked_head import chunked_head_loss_and_grads
+
+    grad_out = torch.stack([g, h], 1)
+    rows = log_prob_entropy_rows(0.8, IGNORE)
+    with override_launch_config(ChunkedHeadConfig, chunk_rows=4):
+        _, _, grads = chunked_head_loss_and_grads(
+            x.unsqueeze(1), weight, None, rows, lambda q, q_ref, up: ((q[:, 0, :] * up).sum(), ()),
+            token_args=(target.unsqueeze(1),), group_args=(grad_out,), needs=(True, True, False))
+    torch.testing.assert_close(leaves[0].grad, grads.x.view(x.shape), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(leaves[1].grad, grads.weight, rtol=1e-6, atol=1e-7)

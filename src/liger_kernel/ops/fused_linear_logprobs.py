@@ -14,11 +14,12 @@ Both outputs are float32 and differentiable in ``x``, ``W`` and ``b``: with upst
 
 and ``dx = (dL/dz) W``, ``dW = (dL/dz)^T x``, ``db = sum_rows dL/dz``. The forward pass runs
 one logits GEMM and the row-statistics kernel per chunk
-(:mod:`~liger_kernel.ops.head_epilogue`) and keeps only x, W, b and y: ``g`` and ``h`` are
-known only in backward and dW depends on them row by row, so the backward hands the scalar
-``sum_n g_n logp_n + h_n H_n`` to the chunked head engine, which recomputes each chunk's
-logits and writes their gradient in place (8 N D V flops in all, against 6 N D V for a loss
-whose upstream gradient is a scalar). Chunks follow the engine's budget
+(:mod:`~liger_kernel.ops.head_epilogue`) and keeps x, W, b, y and each row's statistics (lse,
+entropy, target logit: 36 bytes a token): ``g`` and ``h`` are known only in backward and dW
+depends on them row by row, so the backward hands the scalar ``sum_n g_n logp_n + h_n H_n`` to
+the chunked head engine, which recomputes each chunk's logits and writes their gradient in place
+from the kept statistics (8 N D V flops in all, against 6 N D V for a loss whose upstream
+gradient is a scalar; one pass over each chunk in backward instead of two). Chunks follow the engine's budget
 (:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`); logits are one GEMM in the input
 dtype with float32 accumulation, every statistic after is float32, and the logit gradient is
 rounded to the input dtype for the gradient GEMMs.
@@ -54,7 +55,7 @@ from liger_kernel.ops.chunked_head import (
     per_token_row_ranges,
 )
 from liger_kernel.ops.head_chunking import gemm_reduction_precision
-from liger_kernel.ops.head_epilogue import LogitRowStatistics
+from liger_kernel.ops.head_epilogue import STAT_COLUMNS, LogitRowStatistics, SavedRowStatistics
 from liger_kernel.ops.loss_checks import start_target_check
 
 
@@ -124,14 +125,17 @@ def token_statistics_rows(ignore_index: int | None, temperature: float, softcap:
 
 @torch.compiler.disable
 def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, needs=(True, True)):
-    """(N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D), on the backward's chunks, no graph
-    (never traced: a graph break under ``torch.compile``, since the loop switches cuBLAS's reduction
-    precision, global state Dynamo refuses to see change, so the Function runs eagerly)."""
+    """``(columns, stats)``: the (N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D) and the
+    (N, 9) row statistics behind them (what the backward's gradient pass reads), on the backward's
+    chunks, no graph (never traced: a graph break under ``torch.compile``, since the loop switches
+    cuBLAS's reduction precision, global state Dynamo refuses to see change, so the Function runs
+    eagerly)."""
     out = torch.empty((x.shape[0], len(rows.column_names(1))), device=x.device, dtype=torch.float32)
+    stats = torch.empty((x.shape[0], STAT_COLUMNS), device=x.device, dtype=torch.float32)
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
         for a, b in row_chunks(x, weight, needs):
-            out[a:b] = rows.statistics(_logits(x[a:b], weight, bias), target[a:b])[0]
-    return out
+            out[a:b], (stats[a:b], *_) = rows.statistics(_logits(x[a:b], weight, bias), target[a:b])
+    return out, stats
 
 
 class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.Function):
@@ -168,10 +172,10 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         t1 = target.reshape(-1)
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        out = token_statistics_forward(x2, weight, bias, t1, rows, needs)
+        out, stats = token_statistics_forward(x2, weight, bias, t1, rows, needs)
         target_check.wait()
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x2, weight, bias, t1)
+        ctx.save_for_backward(x2, weight, bias, t1, stats)
         ctx.options = (ignore_index, temperature, softcap, logit_scale, bool(accum_fp32))
         ctx.backward_context = backward_context if backward_context is not None else contextlib.nullcontext
         ctx.x_shape = x.shape
@@ -198,9 +202,10 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
 def _token_statistics_input_grads(ctx, grad_logp, grad_entropy):
     """(dx, dW, db) for upstream gradients of the log-probs and the entropy (either may be None):
     the gradients of ``sum_n g_n logp_n + h_n H_n``, which the engine computes with every row a
-    group of its own, recomputing each chunk's logits and writing their gradient in place (an
-    entropy without upstream gradient costs nothing)."""
-    x2, weight, bias, t1 = ctx.saved_tensors
+    group of its own, recomputing each chunk's logits and writing their gradient in place from the
+    row statistics the forward kept (no second statistics pass; an entropy without upstream
+    gradient costs nothing)."""
+    x2, weight, bias, t1, stats = ctx.saved_tensors
     if grad_logp is None and grad_entropy is None:
         return None, None, None
     ignore_index, temperature, softcap, logit_scale, accum_fp32 = ctx.options
@@ -218,8 +223,9 @@ def _token_statistics_input_grads(ctx, grad_logp, grad_entropy):
 
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
     with ctx.backward_context():
-        _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, rows, group_fn,
-                                                  token_args=(t1.unsqueeze(1),), group_args=(grad_out,),
+        _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, SavedRowStatistics(rows), group_fn,
+                                                  token_args=(t1.unsqueeze(1), stats.unsqueeze(1)),
+                                                  group_args=(grad_out,),
                                                   needs=needs, accum_fp32=accum_fp32)
     return (grads.x.view(ctx.x_shape) if grads.x is not None else None), grads.weight, grads.bias
 

@@ -401,11 +401,20 @@ class LogitRowStatistics:
 
     def statistics(self, logits: torch.Tensor, *labels: torch.Tensor):
         """``(q, state)``: the columns (R, K) float32 of ``logits`` (R, V), unmodified, and what
-        :meth:`logit_grad_` needs."""
+        :meth:`logit_grad_` needs (its first element the (R, 9) statistics of :func:`row_statistics`)."""
         label_matrix, counted = self._label_matrix(labels, logits.shape[1])
         stats = row_statistics(logits, label_matrix, entropy=self.entropy, sum_sq=self.log_sum_sq_probs,
                                raw_sum=self.row_sum, transformed_sum=self.mean_logits, top1=self.is_top1,
                                **self._options())
+        return self._columns(stats, logits.shape[1], label_matrix, counted)
+
+    def statistics_from(self, stats: torch.Tensor, n_cols: int, *labels: torch.Tensor):
+        """:meth:`statistics` of logits whose (R, 9) statistics a pass computed before (with at
+        least the columns this object asks for), without reading the logits again."""
+        label_matrix, counted = self._label_matrix(labels, n_cols)
+        return self._columns(stats, n_cols, label_matrix, counted)
+
+    def _columns(self, stats: torch.Tensor, n_cols: int, label_matrix, counted):
         lse = stats[:, LSE]
         columns = []
         for j, mask in enumerate(counted):
@@ -420,7 +429,7 @@ class LogitRowStatistics:
         if self.row_sum:
             columns.append(stats[:, RAW_SUM])
         if self.mean_logits:
-            columns.append(stats[:, TRANSFORMED_SUM] / logits.shape[1])
+            columns.append(stats[:, TRANSFORMED_SUM] / n_cols)
         if self.is_top1:
             if label_matrix is None:
                 raise ValueError("is_top1 needs a label")
@@ -450,3 +459,25 @@ class LogitRowStatistics:
         return logit_grad_(logits, label_matrix, stats, coefficients, entropy_grad=self.entropy,
                            raw_sum_grad=self.row_sum, **self._options())
 
+
+
+class SavedRowStatistics:
+    """The engine's closed-form ``token_fn`` for logits whose statistics an earlier pass over the
+    same logits kept: called by the engine as ``statistics(z, *labels, saved)`` with ``saved`` the
+    chunk's rows of those (R, 9) statistics, it skips the statistics pass and hands ``rows``'s
+    gradient pass the saved numbers. Used where a forward pass computed per-token outputs and its
+    backward recomputes the same logits (same chunks, same GEMM) to form their gradient."""
+
+    def __init__(self, rows: LogitRowStatistics):
+        self.rows = rows
+
+    def __call__(self, logits: torch.Tensor, *labels_and_saved: torch.Tensor) -> torch.Tensor:
+        """The columns with differentiable torch ops (recomputed: the engine's path for an empty batch)."""
+        return self.rows(logits, *labels_and_saved[:-1])
+
+    def statistics(self, logits: torch.Tensor, *labels_and_saved: torch.Tensor):
+        *labels, saved = labels_and_saved
+        return self.rows.statistics_from(saved, logits.shape[1], *labels)
+
+    def logit_grad_(self, logits: torch.Tensor, state, grad_q: torch.Tensor, *labels_and_saved: torch.Tensor):
+        return self.rows.logit_grad_(logits, state, grad_q, *labels_and_saved[:-1])
