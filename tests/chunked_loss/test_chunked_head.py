@@ -235,3 +235,28 @@ def test_target_log_probs_in_place_matches_autograd(n_labels, temperature, log_s
     g = token_fn.logit_grad_(buffer, state, grad_q, *labels)
     assert g.data_ptr() == buffer.data_ptr()
     torch.testing.assert_close(g.double(), g64, atol=1e-6 * float(g64.abs().max()), rtol=1e-5)
+
+
+def test_two_passes_reuse_the_closed_forms_statistics(monkeypatch):
+    """Two passes with a closed-form ``token_fn``: the second pass writes each chunk's gradient from
+    the first pass's row statistics (one statistics pass per chunk in all), and gets what the
+    autograd path gets on the same quantities."""
+    from liger_kernel.ops import head_epilogue
+
+    closed_form = head_epilogue.LogitRowStatistics(IGNORE, entropy=True, row_sum=True)  # token_quantities' columns
+    x, weight, bias, target, _, weights = make_batch(4, 5, 16, 53, torch.float32, True, False)
+    mask = target != IGNORE
+    group_fn = make_group_fn(4, False, False)  # couples the groups: two passes
+    counted = head_epilogue.row_statistics
+    calls = []
+    monkeypatch.setattr(head_epilogue, "row_statistics", lambda *a, **k: calls.append(1) or counted(*a, **k))
+    results = []
+    for token_fn in (closed_form, token_quantities):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+        with override_launch_config(ChunkedHeadConfig, chunk_rows=6):
+            loss, _ = chunked_head_loss(*leaves, token_fn, group_fn, (target,), (mask, weights), additive=False)
+        loss.backward()
+        results.append((loss.detach(), *(t.grad for t in leaves)))
+    assert len(calls) == 4  # 20 rows in chunks of at most 6: four chunks, one statistics pass each
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)

@@ -43,7 +43,8 @@ the loss is not additive (e.g. it sorts over the batch), the engine runs **two p
 row chunks that need not respect groups: the first computes ``q`` (and ``q_ref``) under
 no_grad; ``group_fn`` then runs once on the whole batch (B, T, K) and autograd gives
 ``dL/dq``; the second pass recomputes each chunk's logits and pulls ``dL/dq`` back through
-``token_fn`` (a vector-Jacobian product per chunk). It costs one more logits GEMM and is
+``token_fn`` (a vector-Jacobian product per chunk; a closed form reuses the first pass's row
+statistics, so its second pass only writes the gradient). It costs one more logits GEMM and is
 exact for every loss of this form.
 
 ``paired=True`` is for preference pairs: the first B/2 groups are the chosen sequences and the
@@ -560,10 +561,22 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
 def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, batch_shape, grads):
     q_parts: list[torch.Tensor] = []
     q_ref_parts: list[torch.Tensor] = []  # stays empty without a second head's quantities
+    # The closed form's per-row state of each chunk (row statistics, a few floats a row): the
+    # second pass's gradient kernel reads it instead of a second statistics pass over the
+    # recomputed logits (the same GEMM on the same rows: the same logits).
+    states: list[object] = []
+    closed_form = _in_place(token_fn)
     for row_ranges in plan.row_ranges:
         targs = [_gather(t, row_ranges) for t in rows.token_args]
-        q_parts.append(_quantities(token_fn, rows.logits(row_ranges), (*rows.token_fn_ref_args(row_ranges),
-                                                                              *targs)))
+        extra_args = (*rows.token_fn_ref_args(row_ranges), *targs)
+        if closed_form:
+            with torch.no_grad():
+                q_part, state = token_fn.statistics(rows.logits(row_ranges), *extra_args)
+            q_parts.append(q_part)
+            states.append(state)
+        else:
+            q_parts.append(_quantities(token_fn, rows.logits(row_ranges), extra_args))
+        del extra_args
         q_ref_part = rows.ref_quantities(row_ranges, token_fn, targs)
         if q_ref_part is not None:
             q_ref_parts.append(q_ref_part)
@@ -573,11 +586,17 @@ def _two_passes(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, ba
         q_all.requires_grad_(True)
         loss, metrics = group_fn(_as_float64(q_all), _as_float64(q_ref), *group_args)
         grad_q = _rows(_chunk_logit_grad(loss, q_all))
-    for row_ranges in plan.row_ranges:
+    for i, row_ranges in enumerate(plan.row_ranges):
         x_rows = _gather(rows.x, row_ranges)
         extra_args = (*rows.token_fn_ref_args(row_ranges), *(_gather(t, row_ranges) for t in rows.token_args))
         logits = rows.logits(row_ranges, x_rows)
-        grad_logits = _pull_back(token_fn, logits, extra_args, _gather(grad_q, row_ranges))
+        chunk_grad_q = _gather(grad_q, row_ranges)
+        if closed_form:
+            with torch.no_grad():
+                grad_logits = token_fn.logit_grad_(logits, states[i], chunk_grad_q, *extra_args)
+            states[i] = None
+        else:
+            grad_logits = _pull_back(token_fn, logits, extra_args, chunk_grad_q)
         del logits, extra_args
         box = [grad_logits]
         del grad_logits
