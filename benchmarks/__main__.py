@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plots", action="store_true", help="skip bench.png")
     p.add_argument("--profile", action="store_true",
                    help="after timing each case, profile one more call: device time by kind of kernel (GEMM, "
-                        "Triton, Inductor, copies, other) and idle time into kernel_profile.csv/.txt "
+                        "Triton, Inductor, copies, other) and idle time, then the SM clock and power over "
+                        "half a second of back-to-back calls, into kernel_profile.csv/.txt "
                         "(benchmarks/kernel_profile.py)")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ConfigClass.field=VALUE", dest="overrides",
                    help="override a launch-configuration field for this run, e.g. "

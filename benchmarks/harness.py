@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.kernel_profile import ProfileLog, profile_call
+from benchmarks.kernel_profile import ProfileLog, profile_call, sustained_clocks
 
 MODES = ("forward", "backward", "full")
 PROVIDERS = ("liger", "hf_eager", "torch_compile")
@@ -774,7 +774,8 @@ class Runner:
             if self.cfg.profile is not None:
                 case = {"op": unit.spec.name, "shape": shape_text(unit.shape), "provider": provider, "mode": mode}
                 floor_ms = unit.spec.floor(unit.shape, self.cfg.dtype, mode).ms(self.hw)
-                self.cfg.profile.add(case, floor_ms, profile_call(run, setup, device))
+                self.cfg.profile.add(case, floor_ms, profile_call(run, setup, device),
+                                     sustained_clocks(run, setup, device))
             return "ok", timing, peak
         except torch.cuda.OutOfMemoryError:
             return "oom", None, NAN

@@ -16,6 +16,12 @@ time per kind; the heaviest kernels go to a text report. With the GEMM floor of 
 (``floor_ms`` of a flops-bound op) this says how much of the gap to the floor is the matmuls
 running below the measured rate and how much is the work around them.
 
+Each case also runs back to back for a moment (:data:`SUSTAINED_SECONDS`) while a thread reads the
+GPU's SM clock and power draw through NVML (``torch.cuda.clock_rate`` / ``power_draw``): a
+GEMM-heavy call long enough to hit the board's power cap runs below the clock at which the
+matmul floor was measured, which the ``sm_mhz`` and ``power_w`` columns show next to the
+kernel times.
+
 On CPU (``--cpu-tiny``) there are no device kernels: the top-level CPU operators stand in
 (``aten::mm`` and its kin count as ``gemm``, the rest, Triton's interpreted kernels included,
 as ``other``), which exercises the bookkeeping, not the GPU.
@@ -24,7 +30,10 @@ as ``other``), which exercises the bookkeeping, not the GPU.
 from __future__ import annotations
 
 import csv
+import math
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,8 +147,74 @@ def profile_call(run: Callable[[Any], Any], setup: Callable[[], Any] | None, dev
     return summarise(_device_spans(prof, device))
 
 
+# How long a case runs back to back while its clocks are sampled, and how often they are read.
+SUSTAINED_SECONDS = 0.5
+SAMPLE_SECONDS = 0.005
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """Mean SM clock (MHz) and board power (W) over a stretch of back-to-back calls (nan where
+    not readable: no CUDA, or no NVML), and how many samples they average."""
+
+    sm_mhz: float
+    power_w: float
+    samples: int
+
+
+def _nvml_sample(device: torch.device) -> tuple[float, float]:
+    return float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1e3
+
+
+def sampled_while(work: Callable[[], None], sample: Callable[[], tuple[float, float]],
+                  every_s: float = SAMPLE_SECONDS) -> Clocks:
+    """Run ``work()`` while a thread calls ``sample() -> (MHz, W)`` every ``every_s`` seconds;
+    the means of what it read (nan, 0 samples if the first read fails)."""
+    readings: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                readings.append(sample())
+            except Exception:  # NVML missing or refusing: no clock columns, the profile still runs
+                return
+            done.wait(every_s)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        work()
+    finally:
+        done.set()
+        thread.join()
+    if not readings:
+        return Clocks(math.nan, math.nan, 0)
+    return Clocks(sum(r[0] for r in readings) / len(readings), sum(r[1] for r in readings) / len(readings),
+                  len(readings))
+
+
+def sustained_clocks(run: Callable[[Any], Any], setup: Callable[[], Any] | None, device: torch.device,
+                     seconds: float = SUSTAINED_SECONDS) -> Clocks:
+    """:class:`Clocks` over ``run(setup())`` repeated back to back for about ``seconds`` (at
+    least three calls); nan off CUDA."""
+    if device.type != "cuda":
+        return Clocks(math.nan, math.nan, 0)
+
+    def work() -> None:
+        calls, start = 0, time.perf_counter()
+        while calls < 3 or time.perf_counter() - start < seconds:
+            state = setup() if setup is not None else None
+            result = run(state)
+            del result, state
+            calls += 1
+        torch.cuda.synchronize(device)
+
+    return sampled_while(work, lambda: _nvml_sample(device))
+
+
 CSV_COLUMNS = ("op", "shape", "provider", "mode", "floor_ms", "span_ms", "busy_ms", "idle_ms", "kernels",
-               *(f"{kind}_ms" for kind in KINDS))
+               *(f"{kind}_ms" for kind in KINDS), "sm_mhz", "power_w")
 
 
 @dataclass
@@ -163,14 +238,16 @@ class ProfileLog:
     def text_path(self) -> Path:
         return self.out / "kernel_profile.txt"
 
-    def add(self, case: dict[str, str], floor_ms: float, b: Breakdown) -> None:
+    def add(self, case: dict[str, str], floor_ms: float, b: Breakdown, clocks: Clocks | None = None) -> None:
+        clocks = clocks or Clocks(math.nan, math.nan, 0)
         values = [case["op"], case["shape"], case["provider"], case["mode"], floor_ms, b.span_ms, b.busy_ms,
-                  b.idle_ms, b.kernels, *(b.by_kind[kind] for kind in KINDS)]
+                  b.idle_ms, b.kernels, *(b.by_kind[kind] for kind in KINDS), clocks.sm_mhz, clocks.power_w]
         with self.csv_path.open("a", newline="") as f:
             csv.writer(f).writerow([f"{v:.6g}" if isinstance(v, float) else v for v in values])
         kinds = ", ".join(f"{kind} {b.by_kind[kind]:.3f}" for kind in KINDS if b.by_kind[kind])
+        sustained = f"; sustained {clocks.sm_mhz:.0f} MHz, {clocks.power_w:.0f} W" if clocks.samples else ""
         lines = [f"## {case['op']} {case['shape']} {case['provider']} {case['mode']}: span {b.span_ms:.3f} ms, "
-                 f"busy {b.busy_ms:.3f}, idle {b.idle_ms:.3f}, floor {floor_ms:.3f}; {kinds}"]
+                 f"busy {b.busy_ms:.3f}, idle {b.idle_ms:.3f}, floor {floor_ms:.3f}; {kinds}{sustained}"]
         lines += [f"  {ms:9.3f} ms {calls:5d}x {kind:8s} {name[:140]}" for name, kind, calls, ms in b.top]
         with self.text_path.open("a") as f:
             f.write("\n".join(lines) + "\n\n")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import math
 import random
+import time
 
 import pytest
-from benchmarks.kernel_profile import KINDS, KernelSpan, cpu_op_kind, kernel_kind, summarise
+from benchmarks.kernel_profile import KINDS, KernelSpan, cpu_op_kind, kernel_kind, sampled_while, summarise
 
 from tests.benchmarks.test_benchmark_cli import _run_cli
 
@@ -84,5 +86,30 @@ def test_cli_profile_writes_one_row_per_case(tmp_path):
         assert 0 <= float(r["busy_ms"]) <= float(r["span_ms"]) + 1e-9
         assert float(r["idle_ms"]) == pytest.approx(float(r["span_ms"]) - float(r["busy_ms"]),
                                                  abs=1e-5 * float(r["span_ms"]) + 1e-6)  # 6 digits in the CSV
+        assert r["sm_mhz"] == r["power_w"] == "nan"  # no GPU clocks to read on CPU
     report = (out / "kernel_profile.txt").read_text()
     assert report.count("## cross_entropy") == len(rows)
+
+
+def test_clocks_sampled_while_the_work_runs():
+    """The sampler reads while the work runs and averages what it read; a sampler that fails
+    (no NVML) leaves nan and the work still runs."""
+    readings = iter([(1980.0, 300.0), (1700.0, 700.0), (1760.0, 690.0)] + [(1760.0, 690.0)] * 1000)
+    seen = []
+    ran = []
+
+    def sample():
+        value = next(readings)
+        seen.append(value)
+        return value
+
+    clocks = sampled_while(lambda: (time.sleep(0.05), ran.append(1)), sample, every_s=0.002)
+    assert ran == [1] and clocks.samples == len(seen) >= 3
+    assert clocks.sm_mhz == pytest.approx(sum(v[0] for v in seen) / len(seen))
+    assert clocks.power_w == pytest.approx(sum(v[1] for v in seen) / len(seen))
+
+    def broken():
+        raise RuntimeError("NVML not available")
+
+    clocks = sampled_while(lambda: ran.append(2), broken)
+    assert ran == [1, 2] and clocks.samples == 0 and math.isnan(clocks.sm_mhz) and math.isnan(clocks.power_w)
