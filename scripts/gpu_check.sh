@@ -250,14 +250,17 @@ if [ "$run_bench" = 1 ]; then
   [ "$bench_rc" = 0 ] || status=1
 fi
 
+# A stage that appends to bench.log: its name on stderr, a section header in the log.
+begin_logged_stage() {
+  echo "== $1 (up to $2s) ==" >&2
+  printf '\n=== %s ===\n' "$3" >>"$out/bench.log"
+}
+
 # ---------------------------------------------------------------- launch-parameter sweeps
 if [ "$run_tune" = 1 ]; then
   secs=$(stage_seconds tune)
-  echo "== benchmarks.tune ${TUNE_ONLY:-head_chunks,head_epilogue} (up to ${secs}s) ==" >&2
-  {
-    echo
-    echo "=== python -m benchmarks.tune --only ${TUNE_ONLY:-head_chunks,head_epilogue} ==="
-  } >>"$out/bench.log"
+  begin_logged_stage "benchmarks.tune ${TUNE_ONLY:-head_chunks,head_epilogue}" "$secs" \
+    "python -m benchmarks.tune --only ${TUNE_ONLY:-head_chunks,head_epilogue}"
   with_timeout "$secs" "$PY" -m benchmarks.tune --only "${TUNE_ONLY:-head_chunks,head_epilogue}" --out "$out" \
     --max-seconds $((secs - 30 > 30 ? secs - 30 : 30)) >>"$out/bench.log" 2>&1
   tune_rc=$?
@@ -267,11 +270,7 @@ fi
 # ---------------------------------------------------------------- end-to-end training
 if [ "$run_e2e" = 1 ]; then
   secs=$(stage_seconds e2e)
-  echo "== e2e training (up to ${secs}s) ==" >&2
-  {
-    echo
-    echo "=== $e2e_script ==="
-  } >>"$out/bench.log"
+  begin_logged_stage "e2e training" "$secs" "$e2e_script"
   e2e_rc=0
   IFS=';' read -r -a e2e_runs <<<"${E2E_RUNS:-${E2E_ARGS:-}}"
   [ "${#e2e_runs[@]}" -gt 0 ] || e2e_runs=("")
