@@ -367,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
             spec = specs["dpo"]
             _sweep("dpo", ChunkedHeadConfig, [{"unit_overshoot": 1.0}, {"unit_overshoot": 4 / 3}], spec,
                    spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
+            # Log-probs, whose backward recomputes: the leading chunk's logits kept from forward
+            # to backward (one GEMM less a kept chunk) against every chunk recomputed.
+            spec = specs["fused_linear_logprobs"]
+            _sweep("fused_linear_logprobs", ChunkedHeadConfig, [{"keep_forward_logits": k} for k in (True, False)],
+                   spec, spec.gpu_shapes[0], dtype, device, cfg, writer, deadline)
         if want("head_epilogue"):
             # The epilogue kernels' column tiles and warps, on the losses whose chunks they walk.
             for op in ("grpo", "fused_linear_logprobs"):

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from liger_kernel.ops.chunked_head import ChunkedHeadConfig, chunk_plan
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig
 from liger_kernel.ops.config import launch_config
 from liger_kernel.ops.fused_linear_cross_entropy import gemm_reduction_precision
+from liger_kernel.ops.head_chunking import chunk_plan
 from tests.ops.test_cross_entropy import assert_grad_close
 
 BF16_UNIT = 2.0**-8

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_kernel.ops.chunked_head import ChunkedHeadConfig, chunk_plan, chunked_head_loss, units_per_chunk
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig, chunked_head_loss
 from liger_kernel.ops.config import override_launch_config
+from liger_kernel.ops.head_chunking import chunk_plan, units_per_chunk
 from tests.chunked_loss.reference import (
     assert_grads_match,
     assert_loss_match,

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
-from liger_kernel.ops.chunked_head import ChunkedHeadConfig, ChunkPlan
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.fused_linear_logprobs import fused_linear_logprobs, log_prob_entropy_rows, row_chunks
+from liger_kernel.ops.head_chunking import ChunkPlan
 from tests.chunked_loss.reference import assert_grads_match, assert_loss_match, reference_grads
 from tests.utils import DEVICE
 
@@ -289,3 +290,67 @@ def test_backward_reads_each_chunk_once(monkeypatch):
             token_args=(target.unsqueeze(1),), group_args=(grad_out,), needs=(True, True, False))
     torch.testing.assert_close(leaves[0].grad, grads.x.view(x.shape), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(leaves[1].grad, grads.weight, rtol=1e-6, atol=1e-7)
+
+
+
+def count_engine_logit_gemms(monkeypatch) -> list[int]:
+    """A list that receives the row count of every logits GEMM the chunked head engine runs."""
+    from liger_kernel.ops import chunked_head
+
+    counted = chunked_head._logits
+    rows: list[int] = []
+
+    def counting(*args):
+        rows.append(args[0].shape[0])
+        return counted(*args)
+
+    monkeypatch.setattr(chunked_head, "_logits", counting)
+    return rows
+
+
+@pytest.mark.parametrize("chunk_rows, keep, recomputed", [(4, True, 2), (4, False, 3), (5, True, 1), (9, True, 0)])
+def test_backward_recomputes_only_the_chunks_it_did_not_keep(monkeypatch, chunk_rows, keep, recomputed):
+    """The forward keeps the logits of its leading chunks, one chunk budget's rows (9 rows in
+    chunks of 3 under a budget of 4 keep one; 5 + 4 under 5 keep one; one chunk of 9 is kept
+    whole); the backward recomputes only the others, frees every kept chunk, and gets the same
+    gradients as a backward that recomputes every chunk."""
+    x, weight, bias, target = random_head((9,), 16, 41, torch.bfloat16, True)
+    g, h = torch.randn(9, device=DEVICE), torch.randn(9, device=DEVICE)
+    backward_gemms = count_engine_logit_gemms(monkeypatch)
+    grads = []
+    for keep_forward_logits in (keep, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+        with override_launch_config(ChunkedHeadConfig, chunk_rows=chunk_rows, keep_forward_logits=keep_forward_logits):
+            n_chunks = len(row_chunks(x, weight))
+            logp, entropy = fused_linear_logprobs(leaves[0], leaves[1], target, leaves[2], 0.8)
+            kept = logp.grad_fn.kept_logits
+            n_kept = len(kept)
+            backward_gemms.clear()
+            ((logp * g).sum() + (entropy * h).sum()).backward()
+        assert kept == []
+        assert len(backward_gemms) == n_chunks - n_kept
+        if keep_forward_logits == keep:
+            assert len(backward_gemms) == recomputed
+        grads.append([leaf.grad for leaf in leaves])
+    for ours, recomputing in zip(*grads):
+        torch.testing.assert_close(ours, recomputing, rtol=0, atol=0)
+
+
+def test_nothing_is_kept_without_gradients():
+    """Only a forward whose backward will recompute keeps logits: none where no input needs a
+    gradient, and a kept chunk list that does not match the engine's chunks is refused."""
+    from liger_kernel.ops.chunked_head import chunked_head_loss_and_grads, per_token_chunks
+
+    x, weight, _, target = random_head((7,), 8, 19, torch.float32, False)
+    with override_launch_config(ChunkedHeadConfig, chunk_rows=3):
+        assert per_token_chunks(x, weight, (False, False)).n_kept == 0
+        assert per_token_chunks(x, weight, (False, True)) == per_token_chunks(x, weight, (True, True))
+        assert per_token_chunks(x, weight, (True, False)).n_kept == 1
+        logp, _ = fused_linear_logprobs(x, weight.requires_grad_(), target)
+        assert len(logp.grad_fn.kept_logits) == 1
+        rows = log_prob_entropy_rows(1.0, IGNORE)
+        for kept in ([(torch.zeros(2, 19), None)], [(torch.zeros(3, 19), None)] * 4):
+            with pytest.raises(ValueError, match="kept"):
+                chunked_head_loss_and_grads(x.unsqueeze(1), weight, None, rows,
+                                            lambda q, q_ref: (q[:, 0, 0].sum(), ()),
+                                            token_args=(target.unsqueeze(1),), kept_logits=kept)

@@ -11,7 +11,7 @@ from liger_kernel.ops.chunked_head import ChunkedHeadConfig
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.fused_linear_token_divergence import LigerFusedLinearTokenDivergenceFunction
 from tests.ops.test_cross_entropy import assert_grad_close
-from tests.ops.test_fused_linear_logprobs import transformed
+from tests.ops.test_fused_linear_logprobs import count_engine_logit_gemms, transformed
 from tests.utils import DEVICE
 
 
@@ -122,3 +122,29 @@ def test_backward_runs_in_the_given_context():
     assert events == ["enter", "exit"]
     logp.sum().backward()
     assert events == ["enter", "exit"] * 2
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_kept_chunks_skip_both_heads_gemms(monkeypatch, keep):
+    """The forward keeps both heads' logits of its leading chunks (one chunk budget's rows); the
+    backward recomputes only the other chunks' (student and teacher), frees the kept ones, and
+    its gradients are those of a backward that recomputes every chunk."""
+    x_s, w_s, b_s = head(11, 16, 23, True, torch.bfloat16)
+    x_t, w_t, b_t = head(11, 8, 23, False, torch.bfloat16)
+    g = torch.randn(11, device=DEVICE)
+    backward_gemms = count_engine_logit_gemms(monkeypatch)
+    grads = []
+    for keep_forward_logits in (keep, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (x_s, w_s, b_s)]
+        with override_launch_config(ChunkedHeadConfig, chunk_rows=4, keep_forward_logits=keep_forward_logits):
+            d, _ = LigerFusedLinearTokenDivergenceFunction.apply(*leaves, x_t, w_t, b_t, 0.5, 1.3)
+            kept = d.grad_fn.kept_logits
+            assert len(kept) == (1 if keep_forward_logits else 0)
+            backward_gemms.clear()
+            (d * g).sum().backward()
+        assert kept == []
+        # 11 rows in chunks of 4, 4, 3: each recomputed chunk costs a student and a teacher GEMM.
+        assert sorted(backward_gemms) == ([3, 3, 4, 4] if keep_forward_logits else [3, 3, 4, 4, 4, 4])
+        grads.append([leaf.grad for leaf in leaves])
+    for ours, recomputing in zip(*grads):
+        torch.testing.assert_close(ours, recomputing, rtol=0, atol=0)

@@ -96,9 +96,11 @@ from liger_kernel.ops.autograd import EagerUnderCompile, InputGradients, strictl
 from liger_kernel.ops.checks import check_linear_operands, check_tensor
 from liger_kernel.ops.config import LaunchConfig, launch_config
 from liger_kernel.ops.head_chunking import (
+    ChunkPlan,
+    Ranges,
     accumulate_grad_weight,
-    balanced_ranges,
     budget_rows,
+    chunk_plan,
     gemm_reduction_precision,
     grad_input_rows,
     gradient_bytes,
@@ -123,10 +125,18 @@ class ChunkedHeadConfig(LaunchConfig):
     times it: a budget of 1.6 pairs then takes two pairs a chunk rather than one (half the dW
     re-reads, fuller GEMMs), and a unit up to a third over the budget still runs in one pass
     (two passes cost a third more GEMM work). At the default budget (three quarters of the
-    gradients' bytes) the chunk then stays within the gradients' bytes, the peak within twice them."""
+    gradients' bytes) the chunk then stays within the gradients' bytes, the peak within twice them.
+
+    ``keep_forward_logits``: a per-token op whose backward recomputes its forward's chunks
+    (log-probabilities, per-token divergences: :func:`per_token_chunks`) keeps the logits of its
+    leading chunks from forward to backward, as many rows as one chunk's budget. The backward
+    reads them instead of recomputing them (one logits GEMM less per kept chunk) and frees each
+    once used, before any recomputed chunk is allocated, so its peak is where one recomputed
+    chunk would put it; at most one chunk's budget is held between the two passes."""
 
     chunk_rows: int
     unit_overshoot: float = 4 / 3
+    keep_forward_logits: bool = True
 
     def __post_init__(self):
         if not self.unit_overshoot >= 1.0:
@@ -154,13 +164,30 @@ def engine_chunk_config(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[b
     return config
 
 
-def per_token_row_ranges(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool],
-                         beside: torch.Tensor | None = None) -> list[tuple[int, int]]:
-    """The row ranges of 2-D ``x`` (N, D) the engine uses for a closed-form ``token_fn`` with every
-    row a group of its own (per-token outputs), so that a forward pass outside the engine computes
-    exactly the logits its backward recomputes."""
-    rows = engine_chunk_config(x, weight, needs, True, beside).chunk_rows
-    return [r for (r,) in chunk_plan(x.shape[0], 1, False, True, rows).row_ranges]
+@dataclasses.dataclass(frozen=True)
+class PerTokenChunks:
+    """The chunks of a per-token op (every row a group of its own): ``row_ranges`` of 2-D ``x``
+    (N, D), those the engine's backward uses, and ``n_kept``, how many leading ones the forward
+    keeps the logits of (:attr:`ChunkedHeadConfig.keep_forward_logits`)."""
+
+    row_ranges: tuple[tuple[int, int], ...]
+    n_kept: int
+
+
+def per_token_chunks(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool],
+                     beside: torch.Tensor | None = None) -> PerTokenChunks:
+    """The chunks the engine uses for a closed-form ``token_fn`` with every row a group of its own
+    (per-token outputs), so that a forward pass outside the engine computes exactly the logits
+    its backward recomputes, and which of them it keeps (none where no gradient is needed)."""
+    config = engine_chunk_config(x, weight, needs, True, beside)
+    ranges = tuple(r for (r,) in chunk_plan(x.shape[0], 1, False, True, config.chunk_rows).row_ranges)
+    n_kept, kept_rows = 0, 0
+    if config.keep_forward_logits and any(needs):
+        for a, b in ranges:
+            if kept_rows + b - a > config.chunk_rows:
+                break
+            n_kept, kept_rows = n_kept + 1, kept_rows + b - a
+    return PerTokenChunks(ranges, n_kept)
 
 
 def target_log_probs(ignore_index: int, temperature: float = 1.0, log_sum_sq_probs: bool = False) -> LogitRowStatistics:
@@ -215,9 +242,6 @@ def _logits(x_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.addmm(bias, x_rows, weight.t())
 
 
-Ranges = tuple[tuple[int, int], ...]
-
-
 def _gather(t: torch.Tensor, ranges: Ranges) -> torch.Tensor:
     """The slices ``t[a:b]`` for ``(a, b)`` in ``ranges``, concatenated (a view for one range)."""
     if len(ranges) == 1:
@@ -228,52 +252,6 @@ def _gather(t: torch.Tensor, ranges: Ranges) -> torch.Tensor:
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(G, T, ...) -> (G*T, ...)."""
     return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkPlan:
-    """How the engine splits a batch: ``one_pass`` and, per chunk, its row ranges (of the
-    flattened (B*T) rows, concatenated in order) and, in one-pass mode, its group ranges."""
-
-    one_pass: bool
-    row_ranges: tuple[Ranges, ...]
-    group_ranges: tuple[Ranges, ...]
-
-
-def units_per_chunk(unit_rows: int, chunk_rows: int, unit_overshoot: float = 1.0) -> int:
-    """Whole units of ``unit_rows`` rows a one-pass chunk holds for a budget of ``chunk_rows``:
-    the count nearest the budget, at most ``unit_overshoot * chunk_rows`` rows; 0 where even one
-    unit is over that."""
-    limit = int(chunk_rows * unit_overshoot)
-    fit = limit // max(1, unit_rows)
-    nearest = (2 * chunk_rows + unit_rows) // (2 * max(1, unit_rows))  # round half up
-    return min(fit, max(1, nearest))
-
-
-def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_rows: int,
-               unit_overshoot: float = 1.0) -> ChunkPlan:
-    """The chunks of a (B=n_groups, T=seq_len) batch for a budget of ``chunk_rows`` rows of logits
-    per chunk.
-
-    One pass when the loss is additive and a unit (a group, or a pair of groups) fits within
-    ``unit_overshoot`` times the budget: chunks of :func:`units_per_chunk` whole units at most,
-    as few as that allows, balanced. Otherwise two passes over balanced row ranges of at most
-    ``chunk_rows``.
-    """
-    n_rows = n_groups * seq_len
-    unit_rows = seq_len * (2 if paired else 1)
-    if n_rows == 0:
-        return ChunkPlan(True, (), ())
-    units = units_per_chunk(unit_rows, chunk_rows, unit_overshoot)
-    if additive and units >= 1:
-        half = n_groups // 2
-        n_units = half if paired else n_groups
-        groups = []
-        for start, stop in balanced_ranges(n_units, units):
-            groups.append(((start, stop), (half + start, half + stop)) if paired else ((start, stop),))
-        rows = tuple(tuple((a * seq_len, b * seq_len) for a, b in g) for g in groups)
-        return ChunkPlan(True, rows, tuple(groups))
-    return ChunkPlan(False, tuple((r,) for r in balanced_ranges(n_rows, chunk_rows)), ())
 
 
 @overload
@@ -370,12 +348,19 @@ def chunked_head_loss_and_grads(
     needs: tuple[bool, bool, bool] = (True, True, True),
     accum_fp32: bool = False,
     ref_logits_to_token_fn: bool = False,
+    kept_logits: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], HeadGrads]:
     """The loss, its metrics and (dx, dW, db) for a unit upstream gradient (see the module docstring).
 
     ``needs`` says which of (dx, dW, db) to compute. Arguments are checked. Under
     ``torch.autocast`` the heads' operands are cast to the autocast dtype first (as ``F.linear``
     would be) and the gradients cast back to the operands' own dtypes.
+
+    ``kept_logits``: the logits of the leading one-pass chunks as a forward pass outside the
+    engine computed them on the same chunks (:func:`per_token_chunks`), one ``(z, z_ref)`` a chunk
+    (``z_ref`` the second head's logits where ``token_fn`` reads them, else None). The engine
+    uses them instead of recomputing those chunks and takes each out of the list as it goes, so
+    a chunk's buffer is freed once its gradient is consumed; the closed form overwrites it.
     """
     original_dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
     x, weight, bias, ref_x, ref_weight, ref_bias = autocast_operands(x, weight, bias, ref_x, ref_weight, ref_bias)
@@ -401,6 +386,7 @@ def chunked_head_loss_and_grads(
     grads = _GradAccumulator(x, weight, bias, needs, accum_fp32)
     plan = chunk_plan(n_groups, seq_len, paired, additive, config.chunk_rows, config.unit_overshoot)
     rows = _Rows(x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn, closed_form)
+    rows.kept = _checked_kept(kept_logits, plan)
     with torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
         if n_rows == 0:
             empty = torch.zeros((0, n_cols), device=x.device)
@@ -426,6 +412,17 @@ def chunked_head_loss_and_grads(
     return loss, tuple(_as_float32(m.detach()) for m in metrics), result
 
 
+def _checked_kept(kept_logits: list | None, plan: ChunkPlan) -> list:
+    """``kept_logits`` (the list itself: the engine takes its chunks out of it), if the plan's
+    leading one-pass chunks can be those chunks."""
+    if not kept_logits:
+        return []
+    if not plan.one_pass or len(kept_logits) > len(plan.row_ranges):
+        raise ValueError(f"{len(kept_logits)} kept chunks of logits for a plan of {len(plan.row_ranges)} "
+                         f"{'one-pass' if plan.one_pass else 'two-pass'} chunks")
+    return kept_logits
+
+
 class _Rows:
     """The batch as (B*T)-row matrices, and per chunk its logits, its second head's quantities
     and its side tensors."""
@@ -438,6 +435,23 @@ class _Rows:
         self.ref_x = _rows(ref_x) if ref_weight is not None else None
         self.ref_weight, self.ref_bias = ref_weight, ref_bias
         self.ref_logits_to_token_fn = ref_logits_to_token_fn and ref_weight is not None
+        self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def chunk_logits(self, ranges: Ranges, x_rows: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """A one-pass chunk's logits and ``token_fn``'s second-head arguments: the next kept chunk's
+        (taken out of the list, so that it is freed once used), else computed."""
+        if not self.kept:
+            return self.logits(ranges, x_rows), self.token_fn_ref_args(ranges)
+        logits, ref_logits = self.kept.pop(0)
+        expected = (x_rows.shape[0], self.weight.shape[0])
+        if tuple(logits.shape) != expected or logits.dtype != x_rows.dtype:
+            raise ValueError(f"kept logits of shape {tuple(logits.shape)} ({logits.dtype}) for a chunk of "
+                             f"{expected} ({x_rows.dtype})")
+        if not self.ref_logits_to_token_fn:
+            return logits, ()
+        if ref_logits is None or ref_logits.shape[0] != expected[0]:
+            raise ValueError("kept logits lack the second head's rows that token_fn reads")
+        return logits, (ref_logits if self.closed_form else ref_logits.float(),)
 
     def ref_logits(self, ranges: Ranges) -> torch.Tensor:
         with torch.no_grad():
@@ -540,10 +554,9 @@ def _one_pass(rows: _Rows, plan: ChunkPlan, token_fn, group_fn, group_args, seq_
         q_ref = rows.ref_quantities(row_ranges, token_fn, targs)
         if q_ref is not None:
             q_ref = q_ref.view(-1, seq_len, q_ref.shape[-1])
-        ref_args = rows.token_fn_ref_args(row_ranges)
         # The closed-form path turns this buffer into the chunk's gradient in place; autograd's
         # path keeps only its float32 copy.
-        logits = rows.logits(row_ranges, x_rows)
+        logits, ref_args = rows.chunk_logits(row_ranges, x_rows)
 
         def loss_of_q(q, q_ref=q_ref, gargs=gargs):
             return group_fn(_as_float64(q.view(-1, seq_len, q.shape[-1])), _as_float64(q_ref), *gargs)

@@ -17,9 +17,11 @@ one logits GEMM and the row-statistics kernel per chunk
 (:mod:`~liger_kernel.ops.head_epilogue`) and keeps x, W, b, y and each row's statistics (lse,
 entropy, target logit: 36 bytes a token): ``g`` and ``h`` are known only in backward and dW
 depends on them row by row, so the backward hands the scalar ``sum_n g_n logp_n + h_n H_n`` to
-the chunked head engine, which recomputes each chunk's logits and writes their gradient in place
-from the kept statistics (8 N D V flops in all, against 6 N D V for a loss whose upstream
-gradient is a scalar; one pass over each chunk in backward instead of two). Chunks follow the engine's budget
+the chunked head engine, which writes each chunk's logit gradient in place from the kept
+statistics (one pass over each chunk in backward instead of two). The forward also keeps the
+logits of its leading chunks, one chunk budget's worth; the backward recomputes the others
+(8 N D V flops in all when every chunk is recomputed, 6 N D V when one chunk holds the batch,
+as for a loss whose upstream gradient is a scalar). Chunks follow the engine's budget
 (:class:`~liger_kernel.ops.chunked_head.ChunkedHeadConfig`); logits are one GEMM in the input
 dtype with float32 accumulation, every statistic after is float32, and the logit gradient is
 rounded to the input dtype for the gradient GEMMs.
@@ -52,7 +54,7 @@ from liger_kernel.ops.chunked_head import (
     _logits,
     autocast_operands,
     chunked_head_loss_and_grads,
-    per_token_row_ranges,
+    per_token_chunks,
 )
 from liger_kernel.ops.head_chunking import gemm_reduction_precision
 from liger_kernel.ops.head_epilogue import STAT_COLUMNS, LogitRowStatistics, SavedRowStatistics
@@ -87,7 +89,7 @@ def _check(x, weight, bias, target, temperature, ignore_index):
 def row_chunks(x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...] = (True, True)) -> list[tuple[int, int]]:
     """Row ranges of 2-D ``x``: those of the engine's backward pass (for the gradients ``needs``
     says the call produces), so forward and backward compute the same logits."""
-    return per_token_row_ranges(x, weight, needs)
+    return list(per_token_chunks(x, weight, needs).row_ranges)
 
 
 # The optional per-token outputs, in the order they are returned after the log-probabilities.
@@ -125,17 +127,23 @@ def token_statistics_rows(ignore_index: int | None, temperature: float, softcap:
 
 @torch.compiler.disable
 def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, needs=(True, True)):
-    """``(columns, stats)``: the (N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D) and the
-    (N, 9) row statistics behind them (what the backward's gradient pass reads), on the backward's
-    chunks, no graph (never traced: a graph break under ``torch.compile``, since the loop switches
-    cuBLAS's reduction precision, global state Dynamo refuses to see change, so the Function runs
-    eagerly)."""
+    """``(columns, stats, kept)``: the (N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D), the
+    (N, 9) row statistics behind them (what the backward's gradient pass reads) and the logits of
+    the leading chunks the backward reads instead of recomputing (``[(z, None)]``, see
+    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`), on the backward's chunks, no graph
+    (never traced: a graph break under ``torch.compile``, since the loop switches cuBLAS's
+    reduction precision, global state Dynamo refuses to see change, so the Function runs eagerly)."""
     out = torch.empty((x.shape[0], len(rows.column_names(1))), device=x.device, dtype=torch.float32)
     stats = torch.empty((x.shape[0], STAT_COLUMNS), device=x.device, dtype=torch.float32)
+    chunks = per_token_chunks(x, weight, needs)
+    kept: list[tuple[torch.Tensor, None]] = []
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False), gemm_reduction_precision():
-        for a, b in row_chunks(x, weight, needs):
-            out[a:b], (stats[a:b], *_) = rows.statistics(_logits(x[a:b], weight, bias), target[a:b])
-    return out, stats
+        for i, (a, b) in enumerate(chunks.row_ranges):
+            logits = _logits(x[a:b], weight, bias)
+            out[a:b], (stats[a:b], *_) = rows.statistics(logits, target[a:b])
+            if i < chunks.n_kept:
+                kept.append((logits, None))
+    return out, stats, kept
 
 
 class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.Function):
@@ -172,10 +180,13 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         t1 = target.reshape(-1)
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        out, stats = token_statistics_forward(x2, weight, bias, t1, rows, needs)
+        out, stats, kept = token_statistics_forward(x2, weight, bias, t1, rows, needs)
         target_check.wait()
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x2, weight, bias, t1, stats)
+        # Not saved tensors: the backward takes them out of this list one by one, so each chunk is
+        # freed as soon as its gradient is consumed (saved tensors would live to the backward's end).
+        ctx.kept_logits = kept
         ctx.options = (ignore_index, temperature, softcap, logit_scale, bool(accum_fp32))
         ctx.backward_context = backward_context if backward_context is not None else contextlib.nullcontext
         ctx.x_shape = x.shape
@@ -226,7 +237,8 @@ def _token_statistics_input_grads(ctx, grad_logp, grad_entropy):
         _, _, grads = chunked_head_loss_and_grads(x2.unsqueeze(1), weight, bias, SavedRowStatistics(rows), group_fn,
                                                   token_args=(t1.unsqueeze(1), stats.unsqueeze(1)),
                                                   group_args=(grad_out,),
-                                                  needs=needs, accum_fp32=accum_fp32)
+                                                  needs=needs, accum_fp32=accum_fp32,
+                                                  kept_logits=ctx.kept_logits)
     return (grads.x.view(ctx.x_shape) if grads.x is not None else None), grads.weight, grads.bias
 
 

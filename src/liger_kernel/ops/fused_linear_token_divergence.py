@@ -13,9 +13,10 @@ tanh(u / c)``, none without a cap), ``P = softmax(s)``, ``Q = softmax(t)``::
 float32 (N,). ``d`` is differentiable in the student's ``x_s``, ``W_s`` and ``b_s`` only (the
 teacher is a constant). The forward computes both heads' logits chunk by chunk and their rows'
 statistics with the Triton passes of :mod:`~liger_kernel.ops.distillation_epilogue`, keeping
-only the inputs; the backward hands ``sum_n g_n d_n`` to the chunked head engine
-(:mod:`~liger_kernel.ops.chunked_head`) with the teacher as its second head, which recomputes each
-chunk's logits and writes the student's gradient in place (closed form). dW accumulates in
+the inputs and both heads' logits of its leading chunks (one chunk budget's worth); the
+backward hands ``sum_n g_n d_n`` to the chunked head engine (:mod:`~liger_kernel.ops.chunked_head`)
+with the teacher as its second head, which recomputes the other chunks' logits and writes the
+student's gradient in place (closed form). dW accumulates in
 float32. The logits are one GEMM in each head's dtype (fp32 accumulation), every statistic after
 is float32.
 
@@ -35,7 +36,7 @@ from liger_kernel.ops.checks import check_beta, check_linear_operands, check_tem
 from liger_kernel.ops.chunked_head import (
     _logits,
     chunked_head_loss_and_grads,
-    per_token_row_ranges,
+    per_token_chunks,
 )
 from liger_kernel.ops.distillation_epilogue import GeneralizedJSDRows
 from liger_kernel.ops.head_chunking import gemm_reduction_precision
@@ -43,15 +44,22 @@ from liger_kernel.ops.head_epilogue import check_logit_transform
 
 
 @torch.compiler.disable
-def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: GeneralizedJSDRows, needs=(True, True)) -> torch.Tensor:
-    """(N, 2) float32 ``[d, H]`` chunk by chunk, no graph (never traced: the loop switches cuBLAS's
-    reduction precision, global state Dynamo refuses to see change)."""
+def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: GeneralizedJSDRows, needs=(True, True)):
+    """``(out, kept)``: (N, 2) float32 ``[d, H]`` chunk by chunk, and both heads' logits of the
+    leading chunks the backward reads instead of recomputing (``[(z_s, z_t)]``, see
+    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`); no graph (never traced: the loop
+    switches cuBLAS's reduction precision, global state Dynamo refuses to see change)."""
     out = torch.empty((x_s.shape[0], 2), device=x_s.device, dtype=torch.float32)
+    # The backward's chunks (the teacher's logits beside the student's), so both compute the same logits.
+    chunks = per_token_chunks(x_s, w_s, needs, beside=x_t)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad(), torch.autocast(device_type=x_s.device.type, enabled=False), gemm_reduction_precision():
-        # The backward's chunks (the teacher's logits beside the student's), so both compute the same logits.
-        for a, b in per_token_row_ranges(x_s, w_s, needs, beside=x_t):
-            out[a:b] = rows.statistics(_logits(x_s[a:b], w_s, b_s), _logits(x_t[a:b], w_t, b_t))[0][:, 1:]
-    return out
+        for i, (a, b) in enumerate(chunks.row_ranges):
+            student, teacher = _logits(x_s[a:b], w_s, b_s), _logits(x_t[a:b], w_t, b_t)
+            out[a:b] = rows.statistics(student, teacher)[0][:, 1:]
+            if i < chunks.n_kept:
+                kept.append((student, teacher))
+    return out, kept
 
 
 class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.Function):
@@ -81,9 +89,12 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
         rows = GeneralizedJSDRows(beta, temperature, with_hard_loss=False, student=student, teacher=teacher,
                                   entropy=True)
-        out = divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows, needs)
+        out, kept = divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows, needs)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x_s, w_s, b_s, x_t, w_t, b_t)
+        # Not saved tensors: the backward takes them out of this list one by one, so each chunk is
+        # freed as soon as its gradient is consumed (saved tensors would live to the backward's end).
+        ctx.kept_logits = kept
         ctx.rows = GeneralizedJSDRows(beta, temperature, with_hard_loss=False, student=student, teacher=teacher)
         ctx.backward_context = backward_context if backward_context is not None else contextlib.nullcontext
         entropy = out[:, 1]
@@ -105,7 +116,7 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
             _, _, grads = chunked_head_loss_and_grads(
                 x_s.unsqueeze(1), w_s, b_s, ctx.rows, group_fn, group_args=(grad_divergence.float(),),
                 ref_x=x_t.unsqueeze(1), ref_weight=w_t, ref_bias=b_t, ref_logits_to_token_fn=True, needs=needs,
-                accum_fp32=True)
+                accum_fp32=True, kept_logits=ctx.kept_logits)
         grad_x = grads.x.view(x_s.shape) if grads.x is not None else None
         return _DIVERGENCE_GRADS(x_s=grad_x, w_s=grads.weight, b_s=grads.bias)
 

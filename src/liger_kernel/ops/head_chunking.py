@@ -84,6 +84,55 @@ def balanced_ranges(n_items: int, most: int) -> list[tuple[int, int]]:
     return ranges
 
 
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    """How the engine splits a batch: ``one_pass`` and, per chunk, its row ranges (of the
+    flattened (B*T) rows, concatenated in order) and, in one-pass mode, its group ranges."""
+
+    one_pass: bool
+    row_ranges: tuple[Ranges, ...]
+    group_ranges: tuple[Ranges, ...]
+
+
+def units_per_chunk(unit_rows: int, chunk_rows: int, unit_overshoot: float = 1.0) -> int:
+    """Whole units of ``unit_rows`` rows a one-pass chunk holds for a budget of ``chunk_rows``:
+    the count nearest the budget, at most ``unit_overshoot * chunk_rows`` rows; 0 where even one
+    unit is over that."""
+    limit = int(chunk_rows * unit_overshoot)
+    fit = limit // max(1, unit_rows)
+    nearest = (2 * chunk_rows + unit_rows) // (2 * max(1, unit_rows))  # round half up
+    return min(fit, max(1, nearest))
+
+
+def chunk_plan(n_groups: int, seq_len: int, paired: bool, additive: bool, chunk_rows: int,
+               unit_overshoot: float = 1.0) -> ChunkPlan:
+    """The chunks of a (B=n_groups, T=seq_len) batch for a budget of ``chunk_rows`` rows of logits
+    per chunk.
+
+    One pass when the loss is additive and a unit (a group, or a pair of groups) fits within
+    ``unit_overshoot`` times the budget: chunks of :func:`units_per_chunk` whole units at most,
+    as few as that allows, balanced. Otherwise two passes over balanced row ranges of at most
+    ``chunk_rows``.
+    """
+    n_rows = n_groups * seq_len
+    unit_rows = seq_len * (2 if paired else 1)
+    if n_rows == 0:
+        return ChunkPlan(True, (), ())
+    units = units_per_chunk(unit_rows, chunk_rows, unit_overshoot)
+    if additive and units >= 1:
+        half = n_groups // 2
+        n_units = half if paired else n_groups
+        groups = []
+        for start, stop in balanced_ranges(n_units, units):
+            groups.append(((start, stop), (half + start, half + stop)) if paired else ((start, stop),))
+        rows = tuple(tuple((a * seq_len, b * seq_len) for a, b in g) for g in groups)
+        return ChunkPlan(True, rows, tuple(groups))
+    return ChunkPlan(False, tuple((r,) for r in balanced_ranges(n_rows, chunk_rows)), ())
+
+
 def chunk_rows_for(n_rows: int, n_cols: int, element_size: int, floor_bytes: int = 0) -> int:
     """Rows per chunk of an (n_rows, n_cols) logits computation of ``element_size``-byte
     elements, for a call whose gradients take ``floor_bytes``: the most rows the budget of
