@@ -7,9 +7,11 @@ temperature, biases, heads of different widths, odd shapes, fp32 and bf16, chunk
 import pytest
 import torch
 
-from liger_kernel.ops.chunked_head import ChunkedHeadConfig
+from liger_kernel.ops.chunked_head import ChunkedHeadConfig, per_token_chunks
 from liger_kernel.ops.config import override_launch_config
 from liger_kernel.ops.fused_linear_token_divergence import LigerFusedLinearTokenDivergenceFunction
+from liger_kernel.ops.head_chunking import ChunkPlan
+from tests.chunked_loss.reference import engine_logits
 from tests.ops.test_cross_entropy import assert_grad_close
 from tests.ops.test_fused_linear_logprobs import count_engine_logit_gemms, transformed
 from tests.utils import DEVICE
@@ -41,10 +43,21 @@ def head(n, hidden, vocab, with_bias, dtype):
     return x, weight, bias
 
 
-def logits64(x, weight, bias, dtype):
-    """float64 logits of the float64 leaves, rounded to ``dtype`` as the engine's GEMM output is."""
+def logits64(x, weight, bias, dtype, plan):
+    """float64 logits of the float64 leaves; in low precision moved (no gradient) onto the values
+    the engine's own GEMM calls give on its own chunks (``plan``). That GEMM accumulates in float32
+    and rounds once, so a logit within float32 rounding of the midpoint of two ``dtype`` values
+    can round to the other one than its exact value does: one ulp, which moves ``d`` by far more
+    than float32 noise (3.0e-5 for LIGER_TEST_SEED=281938752)."""
     z = x @ weight.t() + (bias if bias is not None else 0)
-    return z if dtype == torch.float32 else z + (z.detach().to(dtype).double() - z.detach())
+    if dtype == torch.float32:
+        return z
+    low = [t.detach().to(dtype) if t is not None else None for t in (x, weight, bias)]
+    engine = engine_logits(low[0].unsqueeze(0), low[1], low[2], plan)[0].double()
+    # Within one ulp of the exact logits: a GEMM that dropped a term would not be.
+    ulp = torch.finfo(dtype).eps * torch.maximum(z.detach().abs(), engine.abs())
+    assert ((engine - z.detach()).abs() <= ulp + 1e-30).all()
+    return z + (engine - z.detach())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,9 +79,10 @@ def test_matches_float64(dtype, n, d_s, d_t, vocab, beta, temperature, student, 
         assert d.dtype == entropy.dtype == torch.float32 and d.shape == entropy.shape == (n,)
         assert d.requires_grad and not entropy.requires_grad
         (d * g).sum().backward()
+        plan = ChunkPlan(False, tuple((r,) for r in per_token_chunks(x_s, w_s, (True, True), x_t).row_ranges), ())
     ref_leaves = [t.double().requires_grad_() if t is not None else None for t in (x_s, w_s, b_s)]
-    z_s = logits64(*ref_leaves, dtype)
-    z_t = logits64(x_t.double(), w_t.double(), b_t.double() if with_bias else None, dtype)
+    z_s = logits64(*ref_leaves, dtype, plan)
+    z_t = logits64(x_t.double(), w_t.double(), b_t.double() if with_bias else None, dtype, plan)
     d_ref, h_ref = reference(z_s, z_t, beta, temperature, student, teacher)
     expected = torch.autograd.grad((d_ref * g).sum(), [t for t in ref_leaves if t is not None])
     torch.testing.assert_close(d.double(), d_ref.detach(), atol=2e-5, rtol=2e-5)
