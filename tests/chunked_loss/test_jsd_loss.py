@@ -14,6 +14,7 @@ from liger_kernel.chunked_loss.fused_linear_distillation import (
     LigerFusedLinearDistillationBase,  # as axolotl imports it
 )
 from tests.chunked_loss.reference import generalized_jsd_reference, run_distillation_case
+from tests.utils import DEVICE
 
 
 def jsd_case(beta, weight_hard_loss=0.5, weight_soft_loss=0.5, temperature=1.0, dtype=torch.float32, n_rows=13,
@@ -54,9 +55,9 @@ def test_gkd_call_shape_and_functional():
     Function's positional order."""
     loss_fn = LigerFusedLinearJSDLoss(beta=0.2, ignore_index=-100, temperature=1.3, compiled=False,
                                       weight_hard_loss=0.0, weight_soft_loss=1.0)
-    xs, xt = torch.randn(6, 8), torch.randn(6, 12)
-    ws, wt = torch.randn(17, 8), torch.randn(17, 12)
-    labels = torch.tensor([3, -100, 4, 5, -100, 16])
+    xs, xt = torch.randn(6, 8, device=DEVICE), torch.randn(6, 12, device=DEVICE)
+    ws, wt = torch.randn(17, 8, device=DEVICE), torch.randn(17, 12, device=DEVICE)
+    labels = torch.tensor([3, -100, 4, 5, -100, 16], device=DEVICE)
     a = xs.clone().requires_grad_()
     loss = loss_fn(student_input=a, student_weight=ws, teacher_input=xt, teacher_weight=wt, true_labels=labels,
                    student_bias=None, teacher_bias=None)
@@ -77,11 +78,11 @@ def test_bad_arguments_raise():
         LigerFusedLinearJSDLoss(temperature=0.0)
     loss_fn = LigerFusedLinearJSDLoss()
     with pytest.raises(ValueError, match="smaller"):
-        loss_fn(torch.randn(4, 8), torch.randn(9, 8), torch.randn(4, 8), torch.randn(7, 8), torch.zeros(4).long())
+        loss_fn(torch.randn(4, 8, device=DEVICE), torch.randn(9, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE), torch.randn(7, 8, device=DEVICE), torch.zeros(4, device=DEVICE).long())
     with pytest.raises(ValueError, match="target"):
-        loss_fn(torch.randn(4, 8), torch.randn(9, 8), torch.randn(4, 8), torch.randn(9, 8), torch.zeros(3).long())
+        loss_fn(torch.randn(4, 8, device=DEVICE), torch.randn(9, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE), torch.randn(9, 8, device=DEVICE), torch.zeros(3, device=DEVICE).long())
     with pytest.raises(ValueError, match="labels"):
-        loss_fn(torch.randn(4, 8), torch.randn(9, 8), torch.randn(4, 8), torch.randn(9, 8), torch.full((4,), 9))
+        loss_fn(torch.randn(4, 8, device=DEVICE), torch.randn(9, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE), torch.randn(9, 8, device=DEVICE), torch.full((4,), 9, device=DEVICE))
 
 
 class _ForwardKLFunction(LigerFusedLinearDistillationBase):
@@ -122,9 +123,9 @@ def test_subclass_of_the_base(dtype):
 
 def test_bf16_hidden_states_with_float32_heads():
     """Hidden states in bf16, heads kept in float32: computed as with the hidden states upcast."""
-    xs, xt = torch.randn(7, 8).bfloat16(), torch.randn(7, 12).bfloat16()
-    ws, wt = torch.randn(17, 8), torch.randn(17, 12)
-    labels = torch.tensor([3, -100, 4, 5, -100, 16, 0])
+    xs, xt = torch.randn(7, 8, device=DEVICE).bfloat16(), torch.randn(7, 12, device=DEVICE).bfloat16()
+    ws, wt = torch.randn(17, 8, device=DEVICE), torch.randn(17, 12, device=DEVICE)
+    labels = torch.tensor([3, -100, 4, 5, -100, 16, 0], device=DEVICE)
     loss_fn = LigerFusedLinearJSDLoss(beta=0.3, temperature=1.2)
     mixed = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
     upcast = [xs.float().requires_grad_(), ws.clone().requires_grad_()]

@@ -93,15 +93,15 @@ def test_verl_call_shape():
 
 
 def test_bad_arguments_raise():
-    x, weight = torch.randn(4, 8), torch.randn(7, 8)
+    x, weight = torch.randn(4, 8, device=DEVICE), torch.randn(7, 8, device=DEVICE)
     with pytest.raises(ValueError, match="temperature"):
-        fused_linear_logprobs(x, weight, torch.zeros(4).long(), temperature=0.0)
+        fused_linear_logprobs(x, weight, torch.zeros(4, device=DEVICE).long(), temperature=0.0)
     with pytest.raises(ValueError, match="target"):
-        fused_linear_logprobs(x, weight, torch.zeros(5).long())
+        fused_linear_logprobs(x, weight, torch.zeros(5, device=DEVICE).long())
     with pytest.raises(ValueError, match="target"):
         fused_linear_logprobs(x, weight, torch.full((4,), 7))
     with pytest.raises(ValueError, match="m_tiles_per_cluster"):
-        LigerFusedLinearScaledCrossEntropyFunction.apply(x, weight, torch.zeros(4).long(), m_tiles_per_cluster=0)
+        LigerFusedLinearScaledCrossEntropyFunction.apply(x, weight, torch.zeros(4, device=DEVICE).long(), m_tiles_per_cluster=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -245,7 +245,7 @@ def test_is_top1_takes_the_first_of_tied_maxima(dtype, softcap):
 def test_token_statistics_bad_arguments_raise():
     from liger_kernel.ops.fused_linear_logprobs import fused_linear_token_statistics
 
-    x, weight, target = torch.randn(4, 8), torch.randn(7, 8), torch.zeros(4).long()
+    x, weight, target = torch.randn(4, 8, device=DEVICE), torch.randn(7, 8, device=DEVICE), torch.zeros(4, device=DEVICE).long()
     with pytest.raises(ValueError, match="unknown output 'logits'"):
         fused_linear_token_statistics(x, weight, target, outputs=("logits",))
     with pytest.raises(TypeError, match="outputs"):
@@ -349,8 +349,32 @@ def test_nothing_is_kept_without_gradients():
         logp, _ = fused_linear_logprobs(x, weight.requires_grad_(), target)
         assert len(logp.grad_fn.kept_logits) == 1
         rows = log_prob_entropy_rows(1.0, IGNORE)
-        for kept in ([(torch.zeros(2, 19), None)], [(torch.zeros(3, 19), None)] * 4):
+        for kept in ([(torch.zeros(2, 19, device=DEVICE), None)], [(torch.zeros(3, 19, device=DEVICE), None)] * 4):
             with pytest.raises(ValueError, match="kept"):
                 chunked_head_loss_and_grads(x.unsqueeze(1), weight, None, rows,
                                             lambda q, q_ref: (q[:, 0, 0].sum(), ()),
                                             token_args=(target.unsqueeze(1),), kept_logits=kept)
+
+
+def test_backward_outside_the_forwards_override_uses_the_forwards_chunks(monkeypatch):
+    """A forward run under a chunk override and a backward run after the block (or, on CUDA, in
+    autograd's device thread) use the same chunks: the backward reads the kept chunk and
+    recomputes only the others, with the gradients of a run entirely within the block."""
+    x, weight, _, target = random_head((7,), 8, 19, torch.float32, False)
+    g = torch.randn(7, device=DEVICE)
+    backward_gemms = count_engine_logit_gemms(monkeypatch)
+    grads = []
+    for backward_in_block in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight)]
+        with override_launch_config(ChunkedHeadConfig, chunk_rows=3):
+            logp, _ = fused_linear_logprobs(leaves[0], leaves[1], target)
+            loss = (logp * g).sum()
+            backward_gemms.clear()
+            if backward_in_block:
+                loss.backward()
+        if not backward_in_block:
+            loss.backward()
+        assert backward_gemms == [2, 2]  # chunks of 3, 2 and 2 rows, the first kept
+        grads.append([leaf.grad for leaf in leaves])
+    for outside, inside in zip(*grads):
+        torch.testing.assert_close(outside, inside, rtol=0, atol=0)

@@ -168,10 +168,13 @@ def engine_chunk_config(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[b
 class PerTokenChunks:
     """The chunks of a per-token op (every row a group of its own): ``row_ranges`` of 2-D ``x``
     (N, D), those the engine's backward uses, and ``n_kept``, how many leading ones the forward
-    keeps the logits of (:attr:`ChunkedHeadConfig.keep_forward_logits`)."""
+    keeps the logits of (:attr:`ChunkedHeadConfig.keep_forward_logits`), under ``config``, which the
+    backward passes to the engine (``chunk_config``): launch-config overrides are context variables,
+    and a backward may run outside the forward's block or, on CUDA, in autograd's device thread."""
 
     row_ranges: tuple[tuple[int, int], ...]
     n_kept: int
+    config: ChunkedHeadConfig
 
 
 def per_token_chunks(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool],
@@ -187,7 +190,7 @@ def per_token_chunks(x: torch.Tensor, weight: torch.Tensor, needs: Sequence[bool
             if kept_rows + b - a > config.chunk_rows:
                 break
             n_kept, kept_rows = n_kept + 1, kept_rows + b - a
-    return PerTokenChunks(ranges, n_kept)
+    return PerTokenChunks(ranges, n_kept, config)
 
 
 def target_log_probs(ignore_index: int, temperature: float = 1.0, log_sum_sq_probs: bool = False) -> LogitRowStatistics:
@@ -219,6 +222,25 @@ def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
+def _check_sides(x, paired, token_args, group_args, ref_x, ref_weight, ref_bias) -> torch.Tensor | None:
+    """Check the engine's side tensors and second head against ``x`` (B, T, D); returns ``ref_x``
+    contiguous."""
+    n_groups, seq_len, _ = x.shape
+    if paired and n_groups % 2:
+        raise ValueError(f"paired losses need an even batch (chosen then rejected), got batch {n_groups}")
+    _check_side(token_args, (n_groups, seq_len), x.device, "token_args")
+    _check_side(group_args, (n_groups,), x.device, "group_args")
+    if (ref_weight is None) != (ref_x is None):
+        raise ValueError("the second head needs both ref_input and ref_weight")
+    if ref_weight is not None:
+        check_linear_operands(ref_x, ref_weight, ref_bias, "ref_input", "ref_weight", "ref_bias", x_dims=3,
+                              autocast_casts=True)
+        if ref_x.shape[:2] != x.shape[:2]:
+            raise ValueError(f"ref_input has shape {tuple(ref_x.shape)}; it must start with {(n_groups, seq_len)}")
+        ref_x = ref_x.contiguous()
+    return ref_x
 
 
 def _check_side(tensors: Sequence[torch.Tensor], leading: tuple[int, ...], device: torch.device, what: str) -> None:
@@ -349,6 +371,7 @@ def chunked_head_loss_and_grads(
     accum_fp32: bool = False,
     ref_logits_to_token_fn: bool = False,
     kept_logits: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    chunk_config: ChunkedHeadConfig | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], HeadGrads]:
     """The loss, its metrics and (dx, dW, db) for a unit upstream gradient (see the module docstring).
 
@@ -361,28 +384,20 @@ def chunked_head_loss_and_grads(
     (``z_ref`` the second head's logits where ``token_fn`` reads them, else None). The engine
     uses them instead of recomputing those chunks and takes each out of the list as it goes, so
     a chunk's buffer is freed once its gradient is consumed; the closed form overwrites it.
+    ``chunk_config``: the chunks' configuration (default: from the budget, :func:`engine_chunk_config`);
+    a backward pass passes its forward's (:attr:`PerTokenChunks.config`), which holds whatever
+    launch-config overrides the forward ran under.
     """
     original_dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
     x, weight, bias, ref_x, ref_weight, ref_bias = autocast_operands(x, weight, bias, ref_x, ref_weight, ref_bias)
     check_linear_operands(x, weight, bias, "_input", x_dims=3, autocast_casts=True)
     n_groups, seq_len, _ = x.shape
-    if paired and n_groups % 2:
-        raise ValueError(f"paired losses need an even batch (chosen then rejected), got batch {n_groups}")
-    _check_side(token_args, (n_groups, seq_len), x.device, "token_args")
-    _check_side(group_args, (n_groups,), x.device, "group_args")
-    if (ref_weight is None) != (ref_x is None):
-        raise ValueError("the second head needs both ref_input and ref_weight")
-    if ref_weight is not None:
-        check_linear_operands(ref_x, ref_weight, ref_bias, "ref_input", "ref_weight", "ref_bias", x_dims=3,
-                              autocast_casts=True)
-        if ref_x.shape[:2] != x.shape[:2]:
-            raise ValueError(f"ref_input has shape {tuple(ref_x.shape)}; it must start with {(n_groups, seq_len)}")
-        ref_x = ref_x.contiguous()
+    ref_x = _check_sides(x, paired, token_args, group_args, ref_x, ref_weight, ref_bias)
     x = x.contiguous()
     n_rows, n_cols = n_groups * seq_len, weight.shape[0]
     closed_form = _in_place(token_fn)
     beside = ref_x if ref_logits_to_token_fn and ref_weight is not None else None
-    config = engine_chunk_config(x, weight, needs, closed_form, beside)
+    config = chunk_config or engine_chunk_config(x, weight, needs, closed_form, beside)
     grads = _GradAccumulator(x, weight, bias, needs, accum_fp32)
     plan = chunk_plan(n_groups, seq_len, paired, additive, config.chunk_rows, config.unit_overshoot)
     rows = _Rows(x, weight, bias, token_args, ref_x, ref_weight, ref_bias, ref_logits_to_token_fn, closed_form)

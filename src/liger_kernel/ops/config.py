@@ -21,6 +21,11 @@ Overriding, for tests, tuning and users who know their shapes::
 
 The override is scoped (a context variable, so threads and tasks do not see each other's)
 and nests; fields it does not name keep the heuristic's value. Unknown field names raise.
+A backward pass started within the block runs in the calling thread (autograd's
+multithreading is off there; on CUDA it would otherwise run in a device thread, which does
+not see the context variable), so it runs under the override too; one started after the
+block does not. Ops whose backward must repeat its forward's choices (the per-token head
+ops' chunks) keep them in their autograd context instead.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import functools
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
+
+import torch
 
 C = TypeVar("C", bound="LaunchConfig")
 
@@ -99,7 +106,8 @@ def override_launch_config(config_cls: type[LaunchConfig], **fields: Any) -> Ite
     merged[config_cls] = {**current.get(config_cls, {}), **fields}
     token = _OVERRIDES.set(merged)
     try:
-        yield
+        with torch.autograd.set_multithreading_enabled(False):
+            yield
     finally:
         _OVERRIDES.reset(token)
 

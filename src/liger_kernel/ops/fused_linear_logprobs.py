@@ -127,10 +127,11 @@ def token_statistics_rows(ignore_index: int | None, temperature: float, softcap:
 
 @torch.compiler.disable
 def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, needs=(True, True)):
-    """``(columns, stats, kept)``: the (N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D), the
+    """``(columns, stats, kept, config)``: the (N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D), the
     (N, 9) row statistics behind them (what the backward's gradient pass reads) and the logits of
     the leading chunks the backward reads instead of recomputing (``[(z, None)]``, see
-    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`), on the backward's chunks, no graph
+    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`) and the chunk configuration the
+    backward must use, on the backward's chunks, no graph
     (never traced: a graph break under ``torch.compile``, since the loop switches cuBLAS's
     reduction precision, global state Dynamo refuses to see change, so the Function runs eagerly)."""
     out = torch.empty((x.shape[0], len(rows.column_names(1))), device=x.device, dtype=torch.float32)
@@ -143,7 +144,7 @@ def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, 
             out[a:b], (stats[a:b], *_) = rows.statistics(logits, target[a:b])
             if i < chunks.n_kept:
                 kept.append((logits, None))
-    return out, stats, kept
+    return out, stats, kept, chunks.config
 
 
 class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.Function):
@@ -180,7 +181,7 @@ class LigerFusedLinearTokenStatisticsFunction(EagerUnderCompile, torch.autograd.
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         t1 = target.reshape(-1)
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        out, stats, kept = token_statistics_forward(x2, weight, bias, t1, rows, needs)
+        out, stats, kept, ctx.chunk_config = token_statistics_forward(x2, weight, bias, t1, rows, needs)
         target_check.wait()
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x2, weight, bias, t1, stats)
@@ -238,7 +239,7 @@ def _token_statistics_input_grads(ctx, grad_logp, grad_entropy):
                                                   token_args=(t1.unsqueeze(1), stats.unsqueeze(1)),
                                                   group_args=(grad_out,),
                                                   needs=needs, accum_fp32=accum_fp32,
-                                                  kept_logits=ctx.kept_logits)
+                                                  kept_logits=ctx.kept_logits, chunk_config=ctx.chunk_config)
     return (grads.x.view(ctx.x_shape) if grads.x is not None else None), grads.weight, grads.bias
 
 

@@ -45,9 +45,10 @@ from liger_kernel.ops.head_epilogue import check_logit_transform
 
 @torch.compiler.disable
 def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: GeneralizedJSDRows, needs=(True, True)):
-    """``(out, kept)``: (N, 2) float32 ``[d, H]`` chunk by chunk, and both heads' logits of the
+    """``(out, kept, config)``: (N, 2) float32 ``[d, H]`` chunk by chunk, and both heads' logits of the
     leading chunks the backward reads instead of recomputing (``[(z_s, z_t)]``, see
-    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`); no graph (never traced: the loop
+    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`) and the chunk configuration the backward
+    must use; no graph (never traced: the loop
     switches cuBLAS's reduction precision, global state Dynamo refuses to see change)."""
     out = torch.empty((x_s.shape[0], 2), device=x_s.device, dtype=torch.float32)
     # The backward's chunks (the teacher's logits beside the student's), so both compute the same logits.
@@ -59,7 +60,7 @@ def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: GeneralizedJSDRows, n
             out[a:b] = rows.statistics(student, teacher)[0][:, 1:]
             if i < chunks.n_kept:
                 kept.append((student, teacher))
-    return out, kept
+    return out, kept, chunks.config
 
 
 class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.Function):
@@ -89,7 +90,7 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
         rows = GeneralizedJSDRows(beta, temperature, with_hard_loss=False, student=student, teacher=teacher,
                                   entropy=True)
-        out, kept = divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows, needs)
+        out, kept, ctx.chunk_config = divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows, needs)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x_s, w_s, b_s, x_t, w_t, b_t)
         # Not saved tensors: the backward takes them out of this list one by one, so each chunk is
@@ -116,7 +117,7 @@ class LigerFusedLinearTokenDivergenceFunction(EagerUnderCompile, torch.autograd.
             _, _, grads = chunked_head_loss_and_grads(
                 x_s.unsqueeze(1), w_s, b_s, ctx.rows, group_fn, group_args=(grad_divergence.float(),),
                 ref_x=x_t.unsqueeze(1), ref_weight=w_t, ref_bias=b_t, ref_logits_to_token_fn=True, needs=needs,
-                accum_fp32=True, kept_logits=ctx.kept_logits)
+                accum_fp32=True, kept_logits=ctx.kept_logits, chunk_config=ctx.chunk_config)
         grad_x = grads.x.view(x_s.shape) if grads.x is not None else None
         return _DIVERGENCE_GRADS(x_s=grad_x, w_s=grads.weight, b_s=grads.bias)
 
