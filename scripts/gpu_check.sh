@@ -20,6 +20,8 @@
 #                 models.md: copy it to docs/models.md); GPU_CHECK_CENSUS_JOBS (4) worker processes
 #   PYTEST_ARGS   extra pytest arguments, e.g. "-x" or "-k rms_norm"
 #   GPU_CHECK_WORKERS (6)  xdist workers for all but the memory-hungry tests
+#   GPU_CHECK_HEAVY_WORKERS (3)  xdist workers for the fused linear CE tests (float64 references of
+#                 a full-size head, ~10 GB each); the two >2**31-element tests run alone before them
 #   BENCH_ARGS    extra arguments for python -m benchmarks, e.g. "--quick --ops rope"
 #   E2E_ARGS      extra arguments for benchmarks/e2e_training.py
 #   E2E_RUNS      several e2e runs in one call, argument sets separated by ';' (replaces E2E_ARGS), e.g.
@@ -218,17 +220,24 @@ tests_rc=skipped bench_rc=skipped e2e_rc=skipped census_rc=skipped tune_rc=skipp
 # ---------------------------------------------------------------- tests
 if [ "$run_tests" = 1 ]; then
   echo "== tests (full shapes, up to $(stage_seconds tests)s for both stages) ==" >&2
-  # The memory-hungry tests (>2**31-element tensors; fused linear CE with float64 references
-  # of (1024, 128256) logits and a (128256, 4096) dW) run alone first; the rest, small, on
-  # GPU_CHECK_WORKERS (6) xdist workers sharing the GPU. Both stages share the tests' budget.
+  # The memory-hungry tests run first: the two >2**31-element tests alone, then fused linear CE
+  # (float64 references of (1024, 128256) logits and a (128256, 4096) dW) on
+  # GPU_CHECK_HEAVY_WORKERS (3) workers; the rest, small, on GPU_CHECK_WORKERS (6) xdist workers
+  # sharing the GPU. All share the tests' budget.
   secs=$(stage_seconds tests)
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
   tests_path="$PYTHONPATH${test_site:+:$test_site}"
   PYTHONPATH="$tests_path" LIGER_TEST_SHAPES=full with_timeout $((secs < 300 ? secs : 300)) "$PY" -m pytest tests/ops/test_huge_tensors.py \
-    tests/ops/test_fused_linear_cross_entropy.py -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} \
-    >"$out/tests_serial.log" 2>&1
+    -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} >"$out/tests_serial.log" 2>&1
   huge_rc=$?
-  secs=$(stage_seconds tests)  # what the serial stage left
+  secs=$(stage_seconds tests)
+  # shellcheck disable=SC2086
+  PYTHONPATH="$tests_path" LIGER_TEST_SHAPES=full with_timeout $((secs < 300 ? secs : 300)) "$PY" -m pytest \
+    tests/ops/test_fused_linear_cross_entropy.py -q -ra -p no:cacheprovider -n "${GPU_CHECK_HEAVY_WORKERS:-3}" \
+    ${PYTEST_ARGS:-} >>"$out/tests_serial.log" 2>&1
+  heavy_rc=$?
+  [ "$heavy_rc" = 0 ] || huge_rc=$heavy_rc
+  secs=$(stage_seconds tests)  # what the memory-hungry tests left
   # shellcheck disable=SC2086
   PYTHONPATH="$tests_path" LIGER_TEST_SHAPES=full with_timeout "$secs" "$PY" -m pytest tests -q -ra -p no:cacheprovider \
     -n "${GPU_CHECK_WORKERS:-6}" \
