@@ -137,7 +137,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown output 'logits'"):
         LigerChunkedLogProbFunction.apply(x, weight, None, target, 1.0, 4096, None, 1.0, ("log_probs", "logits"))
     with pytest.raises(ValueError, match="target"):
-        LigerChunkedLogProbFunction.apply(x, weight, None, torch.full((4,), 7), 1.0, 4096)
+        LigerChunkedLogProbFunction.apply(x, weight, None, torch.full((4,), 7, device=DEVICE), 1.0, 4096)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
