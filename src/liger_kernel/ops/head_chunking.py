@@ -1,4 +1,4 @@
-"""Chunk sizing and GEMMs of every loss computed through a linear head without its logits.
+"""Chunk sizing, chunk plans and GEMMs of every loss computed through a linear head without its logits.
 
 The fused linear cross entropy and the chunked head engine (preference, RL, distillation and
 log-prob losses) walk the N token rows of the hidden states in chunks of C rows. Per chunk
