@@ -127,13 +127,13 @@ def token_statistics_rows(ignore_index: int | None, temperature: float, softcap:
 
 @torch.compiler.disable
 def token_statistics_forward(x, weight, bias, target, rows: LogitRowStatistics, needs=(True, True)):
-    """``(columns, stats, kept, config)``: the (N, K) float32 columns of ``rows`` for 2-D ``x`` (N, D), the
-    (N, 9) row statistics behind them (what the backward's gradient pass reads) and the logits of
-    the leading chunks the backward reads instead of recomputing (``[(z, None)]``, see
-    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`) and the chunk configuration the
-    backward must use, on the backward's chunks, no graph
-    (never traced: a graph break under ``torch.compile``, since the loop switches cuBLAS's
-    reduction precision, global state Dynamo refuses to see change, so the Function runs eagerly)."""
+    """``(columns, stats, kept, config)`` for 2-D ``x`` (N, D), on the backward's chunks: the (N, K)
+    float32 columns of ``rows``, the (N, 9) row statistics behind them (what the backward's
+    gradient pass reads), the logits of the leading chunks the backward reads instead of
+    recomputing (``[(z, None)]``, see :func:`~liger_kernel.ops.chunked_head.per_token_chunks`) and
+    the chunk configuration the backward must use. No graph (never traced: a graph break under
+    ``torch.compile``, since the loop switches cuBLAS's reduction precision, global state Dynamo
+    refuses to see change, so the Function runs eagerly)."""
     out = torch.empty((x.shape[0], len(rows.column_names(1))), device=x.device, dtype=torch.float32)
     stats = torch.empty((x.shape[0], STAT_COLUMNS), device=x.device, dtype=torch.float32)
     chunks = per_token_chunks(x, weight, needs)

@@ -45,11 +45,11 @@ from liger_kernel.ops.head_epilogue import check_logit_transform
 
 @torch.compiler.disable
 def divergence_forward(x_s, w_s, b_s, x_t, w_t, b_t, rows: GeneralizedJSDRows, needs=(True, True)):
-    """``(out, kept, config)``: (N, 2) float32 ``[d, H]`` chunk by chunk, and both heads' logits of the
+    """``(out, kept, config)``: (N, 2) float32 ``[d, H]`` chunk by chunk, both heads' logits of the
     leading chunks the backward reads instead of recomputing (``[(z_s, z_t)]``, see
-    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`) and the chunk configuration the backward
-    must use; no graph (never traced: the loop
-    switches cuBLAS's reduction precision, global state Dynamo refuses to see change)."""
+    :func:`~liger_kernel.ops.chunked_head.per_token_chunks`), and the chunk configuration the
+    backward must use; no graph (never traced: the loop switches cuBLAS's reduction precision,
+    global state Dynamo refuses to see change)."""
     out = torch.empty((x_s.shape[0], 2), device=x_s.device, dtype=torch.float32)
     # The backward's chunks (the teacher's logits beside the student's), so both compute the same logits.
     chunks = per_token_chunks(x_s, w_s, needs, beside=x_t)
